@@ -1,0 +1,32 @@
+# Two entry points: `make demo` and `make test`. Both create .venv on first use.
+# torch is installed pinned first: an open range with no torch installed would download CUDA wheels.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -q -e ".[server,plot,dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/autotune probe gpt --effective-batch 256
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) bench/search.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
