@@ -1,0 +1,146 @@
+"""The CPU budget device: a simulated accelerator memory that raises a real OOM.
+
+Machines without a GPU (developers' laptops, CI) still run the whole search for real: a
+`TorchDispatchMode` sees every aten op of a training step (forward, autograd's backward ops,
+the optimizer's foreach kernels), registers the untyped storage of each input and output, and
+keeps a count of live bytes. A weakref on each storage subtracts its bytes when the storage dies,
+so the count is exact at every op, not sampled. Sizes are rounded up to 512 bytes as the CUDA
+caching allocator rounds its blocks. When an op leaves more live bytes than the limit, the mode
+raises `torch.OutOfMemoryError`, the same class CUDA raises, from wherever the op ran.
+
+Tensors created before the mode (the model's parameters and buffers) are registered with
+`track`; anything else is registered the first time an op reads it.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from autotune.units import format_bytes
+
+ROUNDING = 512  # the CUDA caching allocator's block size
+
+
+def rounded(nbytes: int) -> int:
+    return -(-nbytes // ROUNDING) * ROUNDING
+
+
+class _Counter:
+    """Live bytes per storage. Shared by the mode and the weakref callbacks."""
+
+    def __init__(self) -> None:
+        self.sizes: dict[int, int] = {}
+        self.refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self.live = 0
+        self.peak = 0
+
+    def add(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        size = rounded(storage.nbytes())
+        old = self.sizes.get(key)
+        if old == size:
+            return
+        if old is None:
+            if size == 0:
+                return
+            self.refs[key] = weakref.ref(storage, functools.partial(self._on_death, key))
+            old = 0
+        # A storage can grow in place (resize_ through an `out=` op): count the difference.
+        self.sizes[key] = size
+        self.live += size - old
+        if self.live > self.peak:
+            self.peak = self.live
+
+    def _on_death(self, key: int, _ref: object) -> None:
+        self.drop(key)
+
+    def drop(self, key: int) -> None:
+        size = self.sizes.pop(key, 0)
+        self.refs.pop(key, None)
+        self.live -= size
+
+
+class BudgetDevice:
+    """Simulated device memory of `total_bytes`, of which a trial may use `limit_bytes`."""
+
+    kind = "cpu-budget"
+
+    def __init__(self, total_bytes: int, limit_bytes: int | None = None) -> None:
+        self.total_bytes = total_bytes
+        self.limit_bytes = total_bytes if limit_bytes is None else limit_bytes
+        self.name = f"CPU budget device ({format_bytes(total_bytes)})"
+        self.torch_device = torch.device("cpu")
+        self._counter = _Counter()
+
+    # Counting -----------------------------------------------------------------------------
+    def track(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count tensors that were created outside the mode (parameters, buffers, inputs)."""
+        for tensor in tensors:
+            self._counter.add(tensor.untyped_storage())
+
+    def live_bytes(self) -> int:
+        return self._counter.live
+
+    def peak_allocated_bytes(self) -> int:
+        return self._counter.peak
+
+    def peak_reserved_bytes(self) -> int:
+        # There is no cache to hold freed blocks: reserved equals allocated.
+        return self._counter.peak
+
+    def reset_peak(self) -> None:
+        self._counter.peak = self._counter.live
+
+    def empty_cache(self) -> None:
+        """Nothing is cached on the budget device."""
+
+    def synchronize(self) -> None:
+        """CPU ops are synchronous."""
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Count and enforce the limit for every op run inside this block."""
+        with _BudgetMode(self._counter, self.limit_bytes):
+            yield
+
+
+class _BudgetMode(TorchDispatchMode):
+    def __init__(self, counter: _Counter, limit_bytes: int) -> None:
+        super().__init__()
+        self.counter = counter
+        self.limit = limit_bytes
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        counter = self.counter
+        inputs, _ = tree_flatten((args, kwargs))
+        for value in inputs:
+            if isinstance(value, torch.Tensor) and id(value.untyped_storage()) not in counter.sizes:
+                counter.add(value.untyped_storage())
+        before = counter.live
+        out = func(*args, **(kwargs or {}))
+        outputs, _ = tree_flatten(out)
+        for value in outputs:
+            if isinstance(value, torch.Tensor):
+                counter.add(value.untyped_storage())
+        if counter.live > self.limit:
+            asked = counter.live - before
+            live = counter.live
+            raise torch.OutOfMemoryError(
+                f"budget device out of memory. Tried to allocate {format_bytes(asked)} in "
+                f"{func}; {format_bytes(live)} would be live, limit {format_bytes(self.limit)}."
+            )
+        return out

@@ -1,0 +1,279 @@
+"""The `autotune` command line: probe, plan (and the service's serve, devices, estimate).
+
+Errors we expect (bad input, a probe that cannot answer) print one line and exit non-zero:
+2 for bad input, 1 for a probe that failed. No traceback reaches the user.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from autotune import __version__
+from autotune.errors import AutotuneError, ConfigError
+from autotune.plan import Plan, Policy, plan
+from autotune.probe import ProbeRequest, load_workload, run_probe
+from autotune.results import ProbeResult, TrialRecord
+from autotune.settings import get_settings
+from autotune.units import format_bytes, parse_headroom, parse_size
+from autotune.workload import parse_options
+
+app = typer.Typer(
+    name="autotune",
+    help="Find the largest micro-batch that fits in GPU memory, exactly, and plan accumulation.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+err = Console(stderr=True, soft_wrap=True)
+out = Console(soft_wrap=True)
+
+
+def _trial_table(trials: list[TrialRecord], title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    table.add_column("#", justify="right")
+    table.add_column("batch", justify="right")
+    table.add_column("result")
+    table.add_column("peak allocated", justify="right")
+    table.add_column("peak reserved", justify="right")
+    table.add_column("seconds", justify="right")
+    table.add_column("samples/s", justify="right")
+    for i, t in enumerate(trials, 1):
+        table.add_row(
+            str(i),
+            str(t.batch),
+            "[green]fits[/]" if t.fits else "[red]OOM[/]",
+            format_bytes(t.peak_allocated_bytes),
+            format_bytes(t.peak_reserved_bytes),
+            f"{t.seconds:.2f}",
+            f"{t.samples_per_second:.1f}" if t.samples_per_second else "-",
+        )
+    return table
+
+
+def _plan_lines(p: Plan) -> list[str]:
+    sizes = p.micro_batches
+    shown = (
+        ", ".join(map(str, sizes))
+        if len(sizes) <= 12
+        else f"{', '.join(map(str, sizes[:10]))}, ... ({len(sizes)} steps)"
+    )
+    lines = [
+        f"plan ({p.policy.value}): micro-batch {p.micro_batch} × {p.accumulation_steps} accumulation "
+        f"step(s) × world size {p.world_size} = effective batch {p.achieved_effective_batch}",
+        f"  per-step micro-batches: {shown}",
+    ]
+    lines += [f"  [yellow]warning:[/] {w}" for w in p.warnings]
+    return lines
+
+
+def _print_summary(result: ProbeResult) -> None:
+    at = result.trial_at_answer
+    out.print(
+        f"[bold]max micro-batch: {result.max_micro_batch}[/]"
+        + (" [yellow](capped: the cap fitted, the true maximum may be larger)[/]" if result.capped else "")
+    )
+    out.print(
+        f"  device: {result.device.name}; budget {format_bytes(result.budget_bytes)} "
+        f"({result.budget_policy}), headroom {format_bytes(result.headroom_bytes)}, "
+        f"limit {format_bytes(result.limit_bytes)}"
+    )
+    if at is not None:
+        out.print(f"  peak at {at.batch}: {format_bytes(at.peak_reserved_bytes)} reserved")
+    failed = next((t for t in result.trials if t.batch == result.max_micro_batch + result.granularity), None)
+    if failed is not None:
+        out.print(f"  {failed.batch} ran out of memory: {failed.oom_message}")
+    out.print(
+        f"  {len(result.trials)} trials in {result.duration_seconds:.1f} s; fingerprint {result.fingerprint[:16]}"
+    )
+    if result.plan is not None:
+        for line in _plan_lines(result.plan):
+            out.print(line)
+
+
+@app.command()
+def probe(
+    target: Annotated[str, typer.Argument(help="Built-in example (mlp, cnn, gpt) or module:attribute.")],
+    device: Annotated[
+        str | None,
+        typer.Option(help="cuda, cuda:N or cpu (the budget device). Default: CUDA when present."),
+    ] = None,
+    memory: Annotated[str | None, typer.Option(help="Probe as if the device had this much memory, e.g. 24GiB.")] = None,
+    budget: Annotated[
+        str | None,
+        typer.Option(help="CUDA budget: total (the card) or free (what other processes leave)."),
+    ] = None,
+    headroom: Annotated[
+        str | None,
+        typer.Option(help="Kept free: a fraction (0.05, 5%) or a size (2GiB). Default 5%."),
+    ] = None,
+    precision: Annotated[
+        str | None, typer.Option(help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler).")
+    ] = None,
+    optimizer: Annotated[str | None, typer.Option(help="sgd, adam or adamw.")] = None,
+    steps: Annotated[int, typer.Option(help="Training steps per trial (2: the second is the steady state).")] = 2,
+    max_batch: Annotated[int | None, typer.Option(help="Never try more than this.")] = None,
+    start_batch: Annotated[int, typer.Option(help="First size to try.")] = 1,
+    granularity: Annotated[int, typer.Option(help="Only try multiples of this (e.g. 8).")] = 1,
+    effective_batch: Annotated[int | None, typer.Option(help="Plan accumulation for this effective batch.")] = None,
+    world_size: Annotated[int, typer.Option(help="Data-parallel ranks.")] = 1,
+    policy: Annotated[str, typer.Option(help="fewest-steps or exact.")] = Policy.FEWEST_STEPS.value,
+    option: Annotated[
+        list[str] | None,
+        typer.Option("--option", "-o", help="Workload option key=value (repeatable)."),
+    ] = None,
+    in_process: Annotated[
+        bool,
+        typer.Option("--in-process", help="Run in this process (debugging); default is an isolated child."),
+    ] = False,
+    timeout: Annotated[float | None, typer.Option(help="Seconds before the isolated probe is killed.")] = None,
+    min_free_memory: Annotated[
+        str | None, typer.Option(help="Refuse to probe a GPU with less free memory than this.")
+    ] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the result as one JSON document.")] = False,
+) -> None:
+    """Probe the largest micro-batch of TARGET that fits within the budget."""
+    try:
+        request = ProbeRequest.model_validate(
+            dict(
+                target=target,
+                options=parse_options(option or []),
+                device=device,
+                memory=parse_size(memory) if memory else None,
+                budget=_choice(budget, ("total", "free"), "--budget"),
+                headroom=parse_headroom(headroom) if headroom is not None else None,
+                precision=_choice(precision, ("fp32", "bf16", "fp16"), "--precision"),
+                optimizer=_choice(optimizer.lower() if optimizer else None, ("sgd", "adam", "adamw"), "--optimizer"),
+                steps=steps,
+                max_batch=max_batch,
+                start_batch=start_batch,
+                granularity=granularity,
+                effective_batch=effective_batch,
+                world_size=world_size,
+                policy=_policy(policy),
+                min_free_memory=parse_size(min_free_memory) if min_free_memory else None,
+            )
+        )
+    except ValueError as exc:  # pydantic's ValidationError
+        raise ConfigError(_validation_message(exc)) from None
+    if effective_batch is not None:
+        plan(effective_batch, 1, world_size, request.policy)  # fail fast on an impossible plan
+
+    load_workload(request)  # bad targets and options fail here, before any process starts
+    result = _run_with_progress(request, in_process, timeout)
+    if json_output:
+        sys.stdout.write(result.model_dump_json(indent=2) + "\n")
+    else:
+        _print_summary(result)
+
+
+def _run_with_progress(request: ProbeRequest, in_process: bool, timeout: float | None) -> ProbeResult:
+    """Run the probe, showing each trial as it finishes: a live table on a terminal, one line
+    per trial otherwise (logs, CI)."""
+    trials: list[TrialRecord] = []
+    title = f"probing {request.target}"
+
+    def run(on_trial: Callable[[TrialRecord], None]) -> ProbeResult:
+        if in_process:
+            return run_probe(request, on_trial=on_trial)
+        from autotune.isolation import run_isolated
+
+        return run_isolated(request, timeout or get_settings().probe_timeout, on_trial=on_trial)
+
+    if not err.is_terminal:
+
+        def log(t: TrialRecord) -> None:
+            verdict = "fits" if t.fits else "OOM "
+            err.print(
+                f"trial {len(trials) + 1:3d}: batch {t.batch:6d} {verdict} "
+                f"peak {format_bytes(t.peak_reserved_bytes):>10} {t.seconds:6.2f} s",
+                highlight=False,
+            )
+            trials.append(t)
+
+        return run(log)
+    with Live(_trial_table(trials, title), console=err, auto_refresh=False) as live:
+
+        def show(t: TrialRecord) -> None:
+            trials.append(t)
+            live.update(_trial_table(trials, title), refresh=True)
+
+        return run(show)
+
+
+@app.command("plan")
+def plan_command(
+    effective_batch: Annotated[int, typer.Option(help="The effective batch to reach.")],
+    max_micro_batch: Annotated[int, typer.Option(help="The largest micro-batch that fits.")],
+    world_size: Annotated[int, typer.Option(help="Data-parallel ranks.")] = 1,
+    policy: Annotated[str, typer.Option(help="fewest-steps or exact.")] = Policy.FEWEST_STEPS.value,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+) -> None:
+    """Plan micro-batches and accumulation steps for an effective batch."""
+    p = plan(effective_batch, max_micro_batch, world_size, _policy(policy))
+    if json_output:
+        sys.stdout.write(p.model_dump_json(indent=2) + "\n")
+    else:
+        for line in _plan_lines(p):
+            out.print(line)
+
+
+@app.command()
+def version() -> None:
+    """Print the version."""
+    out.print(__version__)
+
+
+def _policy(text: str) -> Policy:
+    try:
+        return Policy(text)
+    except ValueError:
+        raise ConfigError(f"unknown policy {text!r}: choose fewest-steps or exact") from None
+
+
+def _choice(value: str | None, choices: tuple[str, ...], flag: str) -> str | None:
+    if value is not None and value not in choices:
+        raise ConfigError(f"{flag} {value!r} is not one of {', '.join(choices)}")
+    return value
+
+
+def _validation_message(exc: ValueError) -> str:
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        parts = [f"{'.'.join(map(str, e['loc'])) or 'input'}: {e['msg']}" for e in errors()]
+        return "invalid input: " + "; ".join(parts)
+    return str(exc)
+
+
+def main() -> None:
+    """Console entry point: our errors become one line on stderr and an exit code."""
+    try:
+        app(standalone_mode=False)
+    except ConfigError as exc:
+        err.print(f"[red]error:[/] {exc}", highlight=False)
+        sys.exit(2)
+    except AutotuneError as exc:
+        err.print(f"[red]probe failed:[/] {exc}", highlight=False)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)
+    except Exception as exc:
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        if isinstance(exc, click.exceptions.Abort):
+            sys.exit(1)
+        raise
+
+
+if __name__ == "__main__":
+    main()

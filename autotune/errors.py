@@ -1,0 +1,91 @@
+"""Our exceptions: one hierarchy so callers can catch what they can act on.
+
+    AutotuneError                  every error autotune raises on purpose
+    ├── ConfigError                bad input from a user: a size, a target, a flag (CLI exit 2)
+    │   ├── WorkloadError          a target that cannot be resolved or built
+    │   └── PlanError              an effective batch / world size that no plan can satisfy
+    ├── ProbeError                 a probe that ran and could not answer (CLI exit 1)
+    │   ├── NothingFitsError       even batch 1 exceeds the budget
+    │   ├── NotAnOOMError          a trial failed with an error that is not out-of-memory
+    │   ├── ProbeCrashedError      the isolated child died (signal, segfault, sticky CUDA error)
+    │   ├── ProbeTimeoutError      the isolated child ran past its timeout
+    │   └── InsufficientMemoryError the device has less free memory than a probe needs to start
+    ├── DeviceError                a device that is missing or unusable
+    └── ServiceError               the autotune service answered with an error (client side)
+        ├── ServiceUnavailableError cannot reach the service, or it answered 5xx/503
+        └── AuthError              401: missing or wrong token
+
+Messages say what was wrong and how to fix it; they never carry a traceback to the user.
+"""
+
+from __future__ import annotations
+
+
+class AutotuneError(Exception):
+    """Base of every error autotune raises on purpose."""
+
+
+class ConfigError(AutotuneError):
+    """Bad input: a size that does not parse, an unknown option, an impossible combination."""
+
+
+class WorkloadError(ConfigError):
+    """A workload target that cannot be resolved, imported or built."""
+
+
+class PlanError(ConfigError):
+    """No accumulation plan satisfies the request."""
+
+
+class ProbeError(AutotuneError):
+    """A probe ran but could not produce an answer."""
+
+
+class NothingFitsError(ProbeError):
+    """Even batch 1 does not fit within the budget."""
+
+    def __init__(self, message: str, *, peak_bytes: int | None, limit_bytes: int) -> None:
+        super().__init__(message)
+        self.peak_bytes = peak_bytes
+        self.limit_bytes = limit_bytes
+
+
+class NotAnOOMError(ProbeError):
+    """A trial failed with an error that is not an out-of-memory error."""
+
+    def __init__(self, message: str, *, batch: int, original: str) -> None:
+        super().__init__(message)
+        self.batch = batch
+        self.original = original
+
+
+class ProbeCrashedError(ProbeError):
+    """The isolated probe process died without reporting a result."""
+
+
+class ProbeTimeoutError(ProbeError):
+    """The isolated probe process ran past its timeout and was killed."""
+
+
+class InsufficientMemoryError(ProbeError):
+    """The device's free memory is below the minimum a probe needs to start."""
+
+
+class DeviceError(AutotuneError):
+    """A device that does not exist or cannot be used."""
+
+
+class ServiceError(AutotuneError):
+    """The autotune service answered with an error."""
+
+    def __init__(self, message: str, *, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class ServiceUnavailableError(ServiceError):
+    """The service could not be reached, or answered 5xx."""
+
+
+class AuthError(ServiceError):
+    """The service refused the token (HTTP 401)."""

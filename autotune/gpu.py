@@ -1,0 +1,93 @@
+"""A CUDA GPU as a probing device: the budget, the headroom cap and the allocator's counters.
+
+The headroom is enforced by the caching allocator itself: `set_per_process_memory_fraction`
+makes any allocation that would take reserved memory past `limit_bytes` raise
+`torch.OutOfMemoryError`, exactly as running out of the card's memory would.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from autotune.errors import DeviceError
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def allocator_config() -> str | None:
+    """The caching allocator's settings, which change how much a step reserves."""
+    return os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+
+
+class CudaDevice:
+    """One CUDA device, capped at `limit_bytes` of reserved memory."""
+
+    kind = "cuda"
+
+    def __init__(self, index: int, limit_bytes: int) -> None:
+        if not torch.cuda.is_available():
+            raise DeviceError("CUDA is not available: use --device cpu for the budget device")
+        if not 0 <= index < torch.cuda.device_count():
+            raise DeviceError(f"cuda:{index} does not exist: this process sees {torch.cuda.device_count()} GPU(s)")
+        self.index = index
+        self.torch_device = torch.device("cuda", index)
+        props = torch.cuda.get_device_properties(index)
+        self.name = props.name
+        self.uuid = _uuid(props)
+        self.total_bytes = int(props.total_memory)
+        if limit_bytes > self.total_bytes:
+            raise DeviceError(f"the limit {limit_bytes} B exceeds cuda:{index}'s total memory {self.total_bytes} B")
+        self.limit_bytes = limit_bytes
+        torch.cuda.set_device(index)
+        torch.cuda.set_per_process_memory_fraction(limit_bytes / self.total_bytes, index)
+
+    def free_bytes(self) -> int:
+        free, _total = torch.cuda.mem_get_info(self.index)
+        return int(free)
+
+    def track(self, tensors: Iterable[torch.Tensor]) -> None:
+        """The allocator already counts every tensor on the device."""
+
+    def live_bytes(self) -> int:
+        return int(torch.cuda.memory_allocated(self.index))
+
+    def peak_allocated_bytes(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.index))
+
+    def peak_reserved_bytes(self) -> int:
+        return int(torch.cuda.max_memory_reserved(self.index))
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.index)
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.index)
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        yield
+
+
+def _uuid(props: object) -> str | None:
+    raw = getattr(props, "uuid", None)
+    if raw is None:
+        return None
+    text = str(raw)
+    return text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
+
+
+def card_memory(index: int) -> tuple[int, int]:
+    """(free, total) bytes of a CUDA device as the driver reports them."""
+    if not torch.cuda.is_available():
+        raise DeviceError("CUDA is not available: use --device cpu for the budget device")
+    free, total = torch.cuda.mem_get_info(index)
+    return int(free), int(total)

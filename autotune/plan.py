@@ -1,0 +1,121 @@
+"""The accumulation plan: from the largest micro-batch that fits to micro-batches and steps.
+
+    effective_batch = sum(micro_batches) × world_size
+    accumulation_steps = len(micro_batches)
+
+Every rank runs the same micro-batch sizes, so the effective batch must be a multiple of the world
+size. Pure arithmetic: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, Field
+
+from autotune.errors import PlanError
+
+
+class Policy(StrEnum):
+    FEWEST_STEPS = "fewest-steps"
+    EXACT = "exact"
+
+
+class Plan(BaseModel):
+    """How to reach an effective batch: per-rank micro-batches, one per accumulation step."""
+
+    policy: Policy
+    effective_batch: int = Field(ge=1, description="What was asked for.")
+    world_size: int = Field(ge=1)
+    max_micro_batch: int = Field(ge=1, description="The largest micro-batch that fits.")
+    micro_batch: int = Field(ge=1, description="The largest micro-batch the plan runs.")
+    accumulation_steps: int = Field(ge=1)
+    micro_batches: list[int] = Field(description="Per-rank size of each accumulation step's micro-batch.")
+    loss_weights: list[float] = Field(
+        description="Multiply each micro-step's mean loss by this so that the accumulated gradient "
+        "equals the gradient of the mean loss over the whole effective batch."
+    )
+    achieved_effective_batch: int
+    warnings: list[str] = Field(default_factory=list)
+
+
+def _per_rank(effective_batch: int, max_micro_batch: int, world_size: int) -> int:
+    if effective_batch < 1:
+        raise PlanError(f"effective batch must be at least 1, got {effective_batch}")
+    if world_size < 1:
+        raise PlanError(f"world size must be at least 1, got {world_size}")
+    if max_micro_batch < 1:
+        raise PlanError(f"max micro-batch must be at least 1, got {max_micro_batch}")
+    if effective_batch % world_size:
+        lower = effective_batch // world_size * world_size
+        upper = lower + world_size
+        hint = f"{lower} or {upper}" if lower else str(upper)
+        raise PlanError(
+            f"effective batch {effective_batch} is not a multiple of world size {world_size}: "
+            f"every rank runs the same micro-batches; use {hint}"
+        )
+    return effective_batch // world_size
+
+
+def _fewest_steps(per_rank: int, max_micro_batch: int) -> int:
+    # ceil without floats: E=2050, max=1024 must give 3, never 2 steps of 1025.
+    return -(-per_rank // max_micro_batch)
+
+
+def _build(
+    policy: Policy,
+    effective_batch: int,
+    world_size: int,
+    max_micro_batch: int,
+    sizes: list[int],
+    warnings: list[str],
+) -> Plan:
+    total = sum(sizes)
+    return Plan(
+        policy=policy,
+        effective_batch=effective_batch,
+        world_size=world_size,
+        max_micro_batch=max_micro_batch,
+        micro_batch=max(sizes),
+        accumulation_steps=len(sizes),
+        micro_batches=sizes,
+        loss_weights=[s / total for s in sizes],
+        achieved_effective_batch=total * world_size,
+        warnings=warnings,
+    )
+
+
+def plan(
+    effective_batch: int,
+    max_micro_batch: int,
+    world_size: int = 1,
+    policy: Policy | str = Policy.FEWEST_STEPS,
+) -> Plan:
+    """Plan micro-batches and accumulation steps that reach `effective_batch` exactly.
+
+    fewest-steps: a = ceil(E / (W·max)) steps whose sizes differ by at most one.
+    exact: one micro-batch size m for every step with m·a·W == E, fewest steps a.
+    """
+    try:
+        policy = Policy(policy)
+    except ValueError:
+        choices = ", ".join(p.value for p in Policy)
+        raise PlanError(f"unknown policy {policy!r}: choose one of {choices}") from None
+    per_rank = _per_rank(effective_batch, max_micro_batch, world_size)
+    fewest = _fewest_steps(per_rank, max_micro_batch)
+
+    if policy is Policy.FEWEST_STEPS:
+        base, extra = divmod(per_rank, fewest)
+        sizes = [base + 1] * extra + [base] * (fewest - extra)
+        return _build(policy, effective_batch, world_size, max_micro_batch, sizes, [])
+
+    steps = next(a for a in range(fewest, per_rank + 1) if per_rank % a == 0)
+    micro = per_rank // steps
+    warnings = []
+    if steps > fewest:
+        warnings.append(
+            f"only micro-batch {micro} divides {per_rank} per rank within the maximum "
+            f"{max_micro_batch}: {steps} accumulation steps instead of {fewest}; "
+            "policy fewest-steps reaches the same effective batch with unequal micro-batches"
+        )
+    return _build(policy, effective_batch, world_size, max_micro_batch, [micro] * steps, warnings)

@@ -1,0 +1,224 @@
+"""A probe, end to end: open the device, build the workload, search, plan, and report.
+
+`ProbeRequest` is everything a probe needs, as plain data: the CLI builds one from its flags, the
+service from a request body, and the isolated child receives one over a pipe. `run_probe` runs it
+in this process; `autotune.isolation.run_isolated` runs it in a spawned child.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from autotune import __version__, fingerprint, gpu
+from autotune.budget import BudgetDevice
+from autotune.errors import ConfigError, InsufficientMemoryError
+from autotune.plan import Plan, Policy, plan
+from autotune.results import DeviceInfo, ProbeResult, TrialRecord, Versions, WorkloadRef
+from autotune.search import SearchOutcome, search
+from autotune.settings import get_settings
+from autotune.trial import ProbeDevice, TrialRunner
+from autotune.units import format_bytes, parse_headroom, parse_size
+from autotune.workload import OptionValue, Workload, resolve
+
+TrialCallback = Callable[[TrialRecord], None]
+
+
+class ProbeRequest(BaseModel):
+    """What to probe and how. Sizes accept strings like "24GiB"; headroom 0.05, "5%" or "2GiB"."""
+
+    target: str = Field(description="Built-in example name or module:attribute.")
+    options: dict[str, OptionValue] = Field(default_factory=dict)
+    device: str | None = Field(default=None, description="cuda, cuda:N or cpu; default CUDA when present.")
+    memory: int | None = Field(default=None, description="Probe as if the device had this many bytes.")
+    budget: Literal["total", "free"] | None = None
+    headroom: float | int | None = None
+    precision: Literal["fp32", "bf16", "fp16"] | None = None
+    optimizer: Literal["sgd", "adam", "adamw"] | None = None
+    steps: int = Field(default=2, ge=1, le=100)
+    max_batch: int | None = Field(default=None, ge=1)
+    start_batch: int = Field(default=1, ge=1)
+    granularity: int = Field(default=1, ge=1)
+    effective_batch: int | None = Field(default=None, ge=1)
+    world_size: int = Field(default=1, ge=1)
+    policy: Policy = Policy.FEWEST_STEPS
+    min_free_memory: int | None = Field(default=None, ge=0)
+
+    @field_validator("memory", "min_free_memory", mode="before")
+    @classmethod
+    def _size(cls, value: object) -> object:
+        return parse_size(value) if isinstance(value, str) else value
+
+    @field_validator("headroom", mode="before")
+    @classmethod
+    def _headroom(cls, value: object) -> object:
+        return parse_headroom(value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check(self) -> ProbeRequest:
+        if self.device is not None:
+            _parse_device(self.device)
+        if isinstance(self.headroom, float) and not 0 <= self.headroom < 1:
+            raise ValueError("headroom fraction must be in [0, 1)")
+        return self
+
+
+def _parse_device(spec: str) -> tuple[str, int]:
+    text = spec.strip().lower()
+    if text == "cpu":
+        return "cpu", 0
+    if text == "cuda":
+        return "cuda", 0
+    if text.startswith("cuda:") and text[5:].isdigit():
+        return "cuda", int(text[5:])
+    raise ConfigError(f"unknown device {spec!r}: use cuda, cuda:N or cpu")
+
+
+def headroom_bytes(budget_bytes: int, headroom: float | int) -> int:
+    if isinstance(headroom, float):
+        return int(budget_bytes * headroom)
+    return int(headroom)
+
+
+def resolve_device_kind(request: ProbeRequest) -> tuple[str, int]:
+    if request.device is None:
+        return ("cuda", 0) if gpu.cuda_available() else ("cpu", 0)
+    return _parse_device(request.device)
+
+
+def open_device(request: ProbeRequest) -> tuple[ProbeDevice, str, int, int]:
+    """Open the probing device. Returns (device, budget policy, budget bytes, headroom bytes)."""
+    settings = get_settings()
+    kind, index = resolve_device_kind(request)
+    headroom = settings.headroom if request.headroom is None else request.headroom
+    policy = request.budget or settings.budget
+    if kind == "cpu":
+        budget = request.memory or settings.cpu_memory
+        policy_name = "memory" if request.memory else "total"
+        room = headroom_bytes(budget, headroom)
+        _check_limit(budget, room)
+        return BudgetDevice(budget, budget - room), policy_name, budget, room
+
+    free, total = gpu.card_memory(index)
+    if policy == "free":
+        budget, policy_name = free, "free"
+    else:
+        budget, policy_name = total, "total"
+    if request.memory is not None:
+        if request.memory > total:
+            raise ConfigError(
+                f"--memory {format_bytes(request.memory)} is more than cuda:{index} has ({format_bytes(total)})"
+            )
+        budget, policy_name = min(budget, request.memory), "memory"
+    minimum = settings.min_free_memory if request.min_free_memory is None else request.min_free_memory
+    if free < minimum:
+        raise InsufficientMemoryError(
+            f"cuda:{index} has only {format_bytes(free)} free (other processes hold the rest); "
+            f"a probe needs at least {format_bytes(minimum)}: wait for them or lower "
+            "--min-free-memory"
+        )
+    room = headroom_bytes(budget, headroom)
+    _check_limit(budget, room)
+    return gpu.CudaDevice(index, budget - room), policy_name, budget, room
+
+
+def _check_limit(budget: int, room: int) -> None:
+    if room >= budget:
+        raise ConfigError(
+            f"headroom {format_bytes(room)} leaves nothing of the budget {format_bytes(budget)}: lower --headroom"
+        )
+
+
+def versions() -> Versions:
+    return Versions(
+        autotune=__version__,
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        python=platform.python_version(),
+    )
+
+
+def device_info(device: ProbeDevice) -> DeviceInfo:
+    return DeviceInfo(
+        kind="cuda" if device.kind == "cuda" else "cpu-budget",
+        name=device.name,
+        index=getattr(device, "index", None),
+        uuid=getattr(device, "uuid", None),
+        total_bytes=device.total_bytes,
+    )
+
+
+def load_workload(request: ProbeRequest) -> Workload:
+    workload = resolve(request.target, request.options)
+    return workload.with_overrides(precision=request.precision, optimizer=request.optimizer)
+
+
+def result_fingerprint(workload: Workload, request: ProbeRequest, info: DeviceInfo, limit_bytes: int) -> str:
+    return fingerprint.fingerprint(
+        workload,
+        steps=request.steps,
+        device={"kind": info.kind, "name": info.name, "total_bytes": info.total_bytes},
+        limit_bytes=limit_bytes,
+        max_batch=request.max_batch,
+        granularity=request.granularity,
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        allocator=gpu.allocator_config(),
+    )
+
+
+def run_probe(request: ProbeRequest, on_trial: TrialCallback | None = None) -> ProbeResult:
+    """Run a probe in this process. Raises ConfigError, WorkloadError or ProbeError."""
+    started = time.perf_counter()
+    workload = load_workload(request)
+    device, policy, budget, room = open_device(request)
+    info = device_info(device)
+    key = result_fingerprint(workload, request, info, device.limit_bytes)
+    runner = TrialRunner(workload, device, steps=request.steps)
+
+    def trial(batch: int) -> TrialRecord:
+        record = runner(batch)
+        if on_trial is not None:
+            on_trial(record)
+        return record
+
+    outcome: SearchOutcome = search(
+        trial,
+        start=request.start_batch,
+        cap=request.max_batch,
+        granularity=request.granularity,
+        limit_bytes=device.limit_bytes,
+    )
+    result_plan: Plan | None = None
+    if request.effective_batch is not None:
+        result_plan = plan(request.effective_batch, outcome.max_micro_batch, request.world_size, request.policy)
+    return ProbeResult(
+        fingerprint=key,
+        workload=WorkloadRef(
+            target=request.target,
+            options=request.options,
+            precision=workload.precision.value,
+            optimizer=workload.optimizer,
+            steps=request.steps,
+        ),
+        device=info,
+        budget_policy=policy,  # type: ignore[arg-type]
+        budget_bytes=budget,
+        headroom_bytes=room,
+        limit_bytes=device.limit_bytes,
+        max_micro_batch=outcome.max_micro_batch,
+        capped=outcome.capped,
+        max_batch_cap=request.max_batch,
+        granularity=request.granularity,
+        search="plain",
+        trials=outcome.trials,
+        plan=result_plan,
+        allocator_config=gpu.allocator_config(),
+        versions=versions(),
+        duration_seconds=time.perf_counter() - started,
+    )

@@ -1,0 +1,172 @@
+"""The search for the largest micro-batch that fits: pure logic over a trial callable.
+
+The callable runs a real trial (`fits(b) -> TrialRecord`); here we only decide which sizes to try.
+Guarantees, whatever the strategy:
+- the answer was tried and fitted;
+- answer + granularity was tried and did not fit, unless the answer is the cap (then `capped`);
+- no size is tried twice.
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from autotune.errors import ConfigError, NothingFitsError
+from autotune.results import TrialRecord
+from autotune.units import format_bytes
+
+TrialFn = Callable[[int], TrialRecord]
+
+
+@dataclass
+class SearchOutcome:
+    max_micro_batch: int
+    capped: bool
+    trials: list[TrialRecord] = field(default_factory=list)
+
+
+class _Memo:
+    """Runs each size at most once and keeps every trial in the order it ran."""
+
+    def __init__(self, fits: TrialFn, granularity: int) -> None:
+        self._fits = fits
+        self.granularity = granularity
+        self.trials: list[TrialRecord] = []
+        self._by_units: dict[int, TrialRecord] = {}
+
+    def __call__(self, units: int) -> bool:
+        if units not in self._by_units:
+            record = self._fits(units * self.granularity)
+            self._by_units[units] = record
+            self.trials.append(record)
+        return self._by_units[units].fits
+
+    def record(self, units: int) -> TrialRecord:
+        return self._by_units[units]
+
+
+def _validate(start: int, cap: int | None, granularity: int) -> None:
+    if granularity < 1:
+        raise ConfigError(f"granularity must be at least 1, got {granularity}")
+    if start < 1:
+        raise ConfigError(f"start batch must be at least 1, got {start}")
+    if cap is not None and cap < granularity:
+        raise ConfigError(f"max batch {cap} is below the granularity {granularity}: raise --max-batch")
+
+
+def _nothing_fits(memo: _Memo, limit_bytes: int | None) -> NothingFitsError:
+    smallest = memo.record(1)
+    needed = smallest.peak_allocated_bytes
+    limit = f" within a limit of {format_bytes(limit_bytes)}" if limit_bytes else ""
+    return NothingFitsError(
+        f"even batch {memo.granularity} does not fit{limit} "
+        f"(it needed at least {format_bytes(needed)}): give the probe more memory "
+        "(--memory, less --headroom), a lower precision or a smaller model",
+        peak_bytes=needed,
+        limit_bytes=limit_bytes or 0,
+    )
+
+
+def _bisect(memo: _Memo, lo: int, hi: int) -> int:
+    """lo fits (or is 0), hi does not; return the boundary."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if memo(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _finish(memo: _Memo, lo: int, capped: bool, limit_bytes: int | None) -> SearchOutcome:
+    if lo == 0:
+        raise _nothing_fits(memo, limit_bytes)
+    return SearchOutcome(lo * memo.granularity, capped, memo.trials)
+
+
+def _grow(memo: _Memo, lo: int, k: int, cap_units: int | None, factor: int) -> tuple[int, int | None]:
+    """From k (untried or fitting), multiply by `factor` until a size fails or the cap fits.
+
+    Returns (largest fitting, first failing or None when the cap fitted)."""
+    while True:
+        if cap_units is not None:
+            k = min(k, cap_units)
+        if not memo(k):
+            return lo, k
+        lo = k
+        if cap_units is not None and k >= cap_units:
+            return lo, None
+        k *= factor
+
+
+def search(
+    fits: TrialFn,
+    *,
+    start: int = 1,
+    cap: int | None = None,
+    granularity: int = 1,
+    factor: int = 2,
+    limit_bytes: int | None = None,
+) -> SearchOutcome:
+    """Grow geometrically from `start` until a trial fails or the cap fits, then bisect.
+
+    With granularity g only multiples of g are tried; `start` and `cap` are rounded to them.
+    `limit_bytes` only improves the message when even the smallest size does not fit.
+    """
+    _validate(start, cap, granularity)
+    memo = _Memo(fits, granularity)
+    cap_units = None if cap is None else cap // granularity
+    k = max(1, -(-start // granularity))
+    lo, hi = _grow(memo, 0, k, cap_units, factor)
+    if hi is None:
+        return SearchOutcome(lo * granularity, True, memo.trials)
+    return _finish(memo, _bisect(memo, lo, hi), False, limit_bytes)
+
+
+def search_from_guess(
+    fits: TrialFn,
+    guess: int,
+    *,
+    cap: int | None = None,
+    granularity: int = 1,
+    factor: int = 2,
+    limit_bytes: int | None = None,
+) -> SearchOutcome:
+    """Verify a predicted answer with two trials (guess fits, guess+g fails); when it misses,
+    bracket outward from the guess with steps that double, then bisect.
+
+    A good guess costs exactly two trials; a bad one costs about what `search` would.
+    """
+    _validate(guess, cap, granularity)
+    memo = _Memo(fits, granularity)
+    cap_units = None if cap is None else cap // granularity
+    k = max(1, guess // granularity)
+    if cap_units is not None:
+        k = min(k, cap_units)
+    if memo(k):
+        if cap_units is not None and k >= cap_units:
+            return SearchOutcome(k * granularity, True, memo.trials)
+        # The prediction fitted: walk up by doubling steps from it (k+1, k+2, k+4, ...).
+        lo, step = k, 1
+        while True:
+            nxt = lo + step
+            if cap_units is not None:
+                nxt = min(nxt, cap_units)
+            if not memo(nxt):
+                return _finish(memo, _bisect(memo, lo, nxt), False, limit_bytes)
+            lo = nxt
+            if cap_units is not None and lo >= cap_units:
+                return SearchOutcome(lo * granularity, True, memo.trials)
+            step *= factor
+    # The prediction did not fit: walk down by doubling steps (k-1, k-2, k-4, ...).
+    hi, step = k, 1
+    while True:
+        nxt = max(hi - step, 0)
+        if nxt == 0:
+            return _finish(memo, _bisect(memo, 0, hi), False, limit_bytes)
+        if memo(nxt):
+            return _finish(memo, _bisect(memo, nxt, hi), False, limit_bytes)
+        hi = nxt
+        step *= factor

@@ -1,0 +1,151 @@
+"""Running one trial: `steps` full training steps at one micro-batch size, then undoing it.
+
+A trial is what the job will really do: zero_grad(set_to_none=True), forward under the job's
+precision, loss, backward (scaled for fp16), optimizer step. The optimizer is created fresh for
+each trial so that its state is allocated lazily at the first step, as in the job; the second step
+is the steady state. After every trial, fitting or not, the runner restores the parameters and
+buffers from a host copy and drops the gradients, so trials are independent.
+
+Recovery from an OOM happens after the `except` block: inside it the traceback still holds the
+failed step's tensors.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+from typing import Protocol
+
+import torch
+
+from autotune import oom
+from autotune.errors import NotAnOOMError
+from autotune.results import TrialRecord
+from autotune.workload import Precision, Workload
+
+
+class ProbeDevice(Protocol):
+    """What the runner needs from a device: the CUDA GPU or the CPU budget device."""
+
+    kind: str
+    name: str
+    total_bytes: int
+    limit_bytes: int
+    torch_device: torch.device
+
+    def track(self, tensors: Iterable[torch.Tensor]) -> None: ...
+    def live_bytes(self) -> int: ...
+    def peak_allocated_bytes(self) -> int: ...
+    def peak_reserved_bytes(self) -> int: ...
+    def reset_peak(self) -> None: ...
+    def empty_cache(self) -> None: ...
+    def synchronize(self) -> None: ...
+    def active(self) -> AbstractContextManager[None]: ...
+
+
+_AUTOCAST = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
+
+
+class TrialRunner:
+    """Builds the model once on the device and runs independent trials on it."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        device: ProbeDevice,
+        steps: int = 2,
+        on_step: Callable[[int, int], None] | None = None,
+    ) -> None:
+        if steps < 1:
+            raise ValueError("steps must be at least 1")
+        self.workload = workload
+        self.device = device
+        self.steps = steps
+        self._on_step = on_step
+        with device.active():
+            self.model = workload.build_model().to(device.torch_device)
+        self.model.train()
+        self._state = [t for t in (*self.model.parameters(), *self.model.buffers())]
+        device.track(self._state)
+        # The host copy is outside the device's memory on purpose: it must not shrink the budget.
+        self._snapshot = [t.detach().to("cpu", copy=True) for t in self._state]
+        self.baseline_bytes = device.live_bytes()
+        self.last_leak_bytes = 0
+
+    # One trial ---------------------------------------------------------------------------
+    def __call__(self, batch: int) -> TrialRecord:
+        self.device.reset_peak()
+        started = time.perf_counter()
+        step_seconds: float | None = None
+        failure: str | None = None
+        not_oom: str | None = None
+        try:
+            step_seconds = self._train(batch)
+        except Exception as exc:  # noqa: BLE001 - classified right here; non-OOMs stop the probe
+            reason = oom.classify(exc)
+            if reason is not None and reason.kind is oom.OOMKind.OOM:
+                failure = reason.message
+            else:
+                not_oom = f"{type(exc).__name__}: {exc}"
+            oom.release(exc)
+        seconds = time.perf_counter() - started
+        peak_allocated = self.device.peak_allocated_bytes()
+        peak_reserved = self.device.peak_reserved_bytes()
+        self.recover()
+        if not_oom is not None:
+            raise NotAnOOMError(
+                f"batch {batch} failed with an error that is not out-of-memory: {not_oom}",
+                batch=batch,
+                original=not_oom,
+            )
+        return TrialRecord(
+            batch=batch,
+            fits=failure is None,
+            peak_allocated_bytes=peak_allocated,
+            peak_reserved_bytes=peak_reserved,
+            seconds=seconds,
+            step_seconds=step_seconds,
+            oom_message=failure,
+        )
+
+    def _train(self, batch: int) -> float:
+        workload, device, model = self.workload, self.device, self.model
+        dtype = _AUTOCAST.get(workload.precision)
+        device_type = device.torch_device.type
+        step_seconds = 0.0
+        with device.active():
+            optimizer = workload.make_optimizer(model.parameters())
+            scaler = torch.amp.GradScaler(device_type, enabled=workload.precision is Precision.FP16)
+            inputs = workload.make_batch(batch, device.torch_device)
+            for step in range(self.steps):
+                started = time.perf_counter()
+                optimizer.zero_grad(set_to_none=True)
+                with torch.autocast(device_type, dtype=dtype or torch.float32, enabled=dtype is not None):
+                    loss = workload.loss(model, inputs)
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                del loss
+                device.synchronize()
+                step_seconds = time.perf_counter() - started
+                if self._on_step is not None:
+                    self._on_step(batch, step)
+        return step_seconds
+
+    # Undoing a trial -----------------------------------------------------------------------
+    def recover(self) -> None:
+        """Return the device to its state before the trial: no grads, original weights, no cache."""
+        for p in self.model.parameters():
+            p.grad = None
+        with torch.no_grad():
+            for tensor, saved in zip(self._state, self._snapshot, strict=True):
+                tensor.copy_(saved)
+        if self.device.live_bytes() > self.baseline_bytes:
+            # Only a reference cycle can still hold the step's tensors; a full collection costs
+            # ~0.2 s with torch imported, so pay it only when memory says it is needed.
+            gc.collect()
+        self.device.empty_cache()
+        self.device.reset_peak()
+        self.last_leak_bytes = self.device.live_bytes() - self.baseline_bytes

@@ -1,0 +1,166 @@
+"""Workloads: what a trial runs. A model factory, a batch at its worst-case shape, a loss,
+an optimizer and a precision.
+
+Users define one in Python and point the CLI at it as `module:attribute`:
+
+    from autotune import Workload
+
+    workload = Workload(
+        name="my-model",
+        build_model=lambda: MyModel(),
+        make_batch=lambda b, device: torch.randn(b, 3, 224, 224, device=device),
+        loss=lambda model, batch: model(batch).logsumexp(-1).mean(),
+        optimizer="adamw",
+    )
+
+The attribute may also be a function that takes keyword options and returns a Workload.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotune.errors import WorkloadError
+
+OptionValue = str | int | float | bool
+
+
+class Precision(StrEnum):
+    FP32 = "fp32"
+    BF16 = "bf16"  # bf16 autocast, fp32 master weights
+    FP16 = "fp16"  # fp16 autocast with a GradScaler
+
+
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "sgd": torch.optim.SGD,
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One training job's step, reduced to what determines its memory."""
+
+    build_model: Callable[[], nn.Module]
+    make_batch: Callable[[int, torch.device], Any]
+    loss: Callable[[nn.Module, Any], torch.Tensor]
+    name: str = "custom"
+    optimizer: str = "adamw"
+    optimizer_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    precision: Precision = Precision.FP32
+    # Shapes and sizes that the batch depends on (sequence length, image size...): part of the
+    # fingerprint, because memory depends on them but a model's structure does not show them.
+    input_spec: Mapping[str, OptionValue] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.optimizer.lower() not in OPTIMIZERS:
+            raise WorkloadError(f"unknown optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+        object.__setattr__(self, "optimizer", self.optimizer.lower())
+        try:
+            object.__setattr__(self, "precision", Precision(self.precision))
+        except ValueError:
+            choices = ", ".join(p.value for p in Precision)
+            raise WorkloadError(f"unknown precision {self.precision!r}: choose one of {choices}") from None
+
+    def with_overrides(self, *, precision: str | None = None, optimizer: str | None = None) -> Workload:
+        changes: dict[str, Any] = {}
+        if precision is not None:
+            changes["precision"] = precision
+        if optimizer is not None and optimizer.lower() != self.optimizer:
+            changes["optimizer"] = optimizer
+            changes["optimizer_kwargs"] = {}
+        return dataclasses.replace(self, **changes) if changes else self
+
+    def make_optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        kwargs = dict(self.optimizer_kwargs)
+        if self.optimizer == "sgd":
+            kwargs.setdefault("lr", 1e-3)
+        return OPTIMIZERS[self.optimizer](params, **kwargs)
+
+
+def _import_attribute(target: str) -> Any:
+    module_name, _, attribute = target.partition(":")
+    if not module_name or not attribute:
+        raise WorkloadError(
+            f"target {target!r} is neither a built-in example nor module:attribute (for example mypkg.train:workload)"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise WorkloadError(f"cannot import module {module_name!r} for target {target!r}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - user code may raise anything at import time
+        raise WorkloadError(
+            f"importing {module_name!r} for target {target!r} failed: {type(exc).__name__}: {exc}"
+        ) from None
+    obj: Any = module
+    for part in attribute.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise WorkloadError(f"module {module_name!r} has no attribute {attribute!r}") from None
+    return obj
+
+
+def resolve(target: str, options: Mapping[str, OptionValue] | None = None) -> Workload:
+    """Turn a CLI/service target into a Workload: a built-in example name or module:attribute."""
+    from autotune import examples
+
+    options = dict(options or {})
+    if ":" not in target:
+        factory = examples.EXAMPLES.get(target)
+        if factory is None:
+            names = ", ".join(sorted(examples.EXAMPLES))
+            raise WorkloadError(f"unknown workload {target!r}: use a built-in example ({names}) or module:attribute")
+        return _call_factory(factory, options, target)
+    obj = _import_attribute(target)
+    if isinstance(obj, Workload):
+        if options:
+            raise WorkloadError(
+                f"{target} is a Workload instance and takes no options; make it a function "
+                "that takes keyword options to pass {sorted(options)}"
+            )
+        return obj
+    if callable(obj):
+        return _call_factory(obj, options, target)
+    raise WorkloadError(f"{target} is a {type(obj).__name__}, not a Workload or a function returning one")
+
+
+def _call_factory(factory: Callable[..., Any], options: dict[str, OptionValue], target: str) -> Workload:
+    try:
+        workload = factory(**options)
+    except TypeError as exc:
+        raise WorkloadError(f"bad options {options} for {target}: {exc}") from None
+    if not isinstance(workload, Workload):
+        raise WorkloadError(f"{target} returned {type(workload).__name__}, not a Workload")
+    return workload
+
+
+def parse_options(pairs: Iterable[str]) -> dict[str, OptionValue]:
+    """Parse `key=value` pairs; values become int, float or bool where they look like one."""
+    options: dict[str, OptionValue] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise WorkloadError(f"option {pair!r} is not key=value (for example seq_len=512)")
+        options[key.strip()] = _coerce(raw.strip())
+    return options
+
+
+def _coerce(raw: str) -> OptionValue:
+    if raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            continue
+    return raw
