@@ -1,0 +1,218 @@
+"""The accumulation helper: per micro-step loss weights, the optimizer-step schedule and DDP's no_sync.
+
+Owns what a training loop needs to turn a plan's micro-batches into gradients equal to the
+gradient of one big batch:
+
+    for step in accumulate(loader, plan):
+        x, y = step.batch
+        with step.sync_context(model):  # model.no_sync() except on the window's last micro-step
+            step.scale(loss_fn(model(x), y)).backward()  # loss_fn: mean over the micro-batch
+        if step.should_step:
+            optimizer.step()
+            optimizer.zero_grad()
+
+A window is the micro-batches accumulated into one optimizer step (`plan.accumulation_steps` of
+them, fewer at the end of an epoch). Each micro-step's weight divides by what is actually in its
+window, counted by `count` (samples by default, or tokens), never by the configured step count:
+the naive `loss / steps` is wrong for a short last window and for token-weighted losses. To know
+a window's total before its first backward, the helper reads the whole window from the iterable
+first, so one window of micro-batches is held at a time.
+
+Losses, with n = count(micro-batch) and N = the window's total (over all ranks with `AcrossRanks`):
+    mean over the n units  -> step.scale(loss)                   == loss * n / N
+    sum over the n units   -> step.scale(loss, reduction="sum")  == loss / N
+Both make the accumulated gradient that of the mean over all N units of the window. With
+`AcrossRanks` both are also multiplied by the world size, undoing DDP's average over ranks.
+
+The weight arithmetic is pure functions; nothing here imports torch at import time, so
+`import autotune` stays light.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from itertools import islice
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
+
+from autotune.errors import ConfigError
+from autotune.plan import Plan
+
+if TYPE_CHECKING:
+    import torch
+
+B = TypeVar("B")
+
+
+def mean_loss_weights(counts: Sequence[int], total: int | None = None, world_size: int = 1) -> list[float]:
+    """Weights for per-micro-batch mean losses: `world_size · n_i / total` for each count n_i.
+
+    `total` defaults to the sum of `counts` (one rank); with DDP it is the window's total over all
+    ranks, and the factor `world_size` undoes DDP's averaging of gradients across ranks. A window
+    with nothing in it (total 0, e.g. all padding) gets weight 0: there is no mean to take.
+    """
+    total = _check(counts, total, world_size)
+    if total == 0:
+        return [0.0] * len(counts)
+    return [world_size * n / total for n in counts]
+
+
+def sum_loss_weight(total: int, world_size: int = 1) -> float:
+    """Weight for a summed loss (sum over the units `count` counts): `world_size / total`."""
+    if total < 0:
+        raise ConfigError(f"a window total cannot be negative, got {total}")
+    if world_size < 1:
+        raise ConfigError(f"world size must be at least 1, got {world_size}")
+    return world_size / total if total else 0.0
+
+
+def _check(counts: Sequence[int], total: int | None, world_size: int) -> int:
+    if any(n < 0 for n in counts):
+        raise ConfigError(f"micro-batch counts cannot be negative, got {list(counts)}")
+    if world_size < 1:
+        raise ConfigError(f"world size must be at least 1, got {world_size}")
+    local = sum(counts)
+    if total is None:
+        return local
+    # The total over ranks includes this rank's window; less means the reduction is wrong.
+    if total < local:
+        raise ConfigError(f"window total {total} is less than this rank's own total {local}")
+    return total
+
+
+def count_samples(batch: object) -> int:
+    """The default count: the first dimension of the batch, or of the first element of a tuple,
+    list or dict batch (what the default collate makes of `(x, y)` or `{"input_ids": ...}`)."""
+    shape = getattr(batch, "shape", None)
+    if shape is not None and len(shape) >= 1:
+        return int(shape[0])
+    if isinstance(batch, Mapping) and batch:
+        return count_samples(next(iter(batch.values())))
+    if isinstance(batch, tuple | list) and batch:
+        return count_samples(batch[0])
+    raise ConfigError(
+        f"cannot count the samples of a {type(batch).__name__} micro-batch: "
+        "pass count=, a function returning its number of samples (or tokens)"
+    )
+
+
+def _to_count(value: object) -> int:
+    # Tensors (mask.sum()) become Python numbers; a fractional count is a bug in `count`.
+    item = getattr(value, "item", None)
+    number = item() if callable(item) else value
+    if isinstance(number, bool) or not isinstance(number, int | float) or number != int(number) or number < 0:
+        raise ConfigError(f"count must return a whole number of samples or tokens >= 0, got {value!r}")
+    return int(number)
+
+
+@dataclass(frozen=True)
+class AcrossRanks:
+    """Normalize by a window's total over all DDP ranks, not this rank's alone.
+
+    Needed when ranks' windows hold different amounts (token counts, or an uneven last window):
+    DDP averages gradients over ranks, which equals the global mean only if every rank's total
+    is the same. `total` sums an integer over ranks (a collective: every rank must run the same
+    number of windows, as DDP already requires).
+    """
+
+    world_size: int
+    total: Callable[[int], int]
+
+    @classmethod
+    def from_process_group(cls, device: torch.device | str | None = None, group: Any = None) -> AcrossRanks:
+        """Sum with `torch.distributed.all_reduce` in the default (or given) process group.
+
+        `device` must suit the backend: a CUDA device for NCCL, the CPU for gloo.
+        """
+        import torch
+        import torch.distributed as dist
+
+        def total(count: int) -> int:
+            summed = torch.tensor([count], dtype=torch.int64, device=device)
+            dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
+            return int(summed.item())
+
+        return cls(world_size=dist.get_world_size(group), total=total)
+
+
+@dataclass(frozen=True)
+class MicroStep(Generic[B]):
+    """One micro-batch and what the loop must do with it."""
+
+    batch: B
+    window: int  # which window of the iterable, from 0
+    index: int  # position within the window, from 0
+    window_size: int  # micro-batches in this window (fewer than the plan's steps at the end)
+    count: int  # samples or tokens in this micro-batch
+    total: int  # samples or tokens in the whole window (over all ranks with AcrossRanks)
+    weight: float  # multiply a mean loss by this
+    sum_weight: float  # multiply a summed loss by this
+
+    @property
+    def should_step(self) -> bool:
+        """Whether this micro-step ends its window: run optimizer.step() and zero_grad() after it."""
+        return self.index == self.window_size - 1
+
+    def scale(self, loss: torch.Tensor, reduction: Literal["mean", "sum"] = "mean") -> torch.Tensor:
+        """The loss to call backward() on: `loss` is the mean or the sum over the units `count` counts."""
+        if reduction == "mean":
+            return loss * self.weight
+        if reduction == "sum":
+            return loss * self.sum_weight
+        raise ConfigError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+
+    def sync_context(self, model: object) -> AbstractContextManager[object]:
+        """Wrap this micro-step's forward and backward in it.
+
+        `model.no_sync()` on all but the window's last micro-step, so DDP all-reduces gradients
+        once per window instead of once per micro-step; a plain context for models without
+        `no_sync` (a bare module) and on the last micro-step.
+        """
+        no_sync = getattr(model, "no_sync", None)
+        if self.should_step or not callable(no_sync):
+            return nullcontext()
+        context: AbstractContextManager[object] = no_sync()
+        return context
+
+
+def _windows(batches: Iterable[B], size: int) -> Iterator[list[B]]:
+    iterator = iter(batches)
+    while window := list(islice(iterator, size)):
+        yield window
+
+
+def accumulate(
+    batches: Iterable[B],
+    steps: Plan | int,
+    *,
+    count: Callable[[B], int | torch.Tensor] | None = None,
+    ranks: AcrossRanks | None = None,
+) -> Iterator[MicroStep[B]]:
+    """Yield a `MicroStep` per micro-batch, windows of `steps` micro-batches (a plan's accumulation steps).
+
+    `count(batch)` says how many units the loss averages over: samples by default (the first
+    dimension), tokens for token-weighted losses (e.g. `lambda b: b["mask"].sum()`). A window's
+    micro-batches are read before its first micro-step is yielded, to know the window's total.
+    """
+    size = steps.accumulation_steps if isinstance(steps, Plan) else steps
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"accumulation steps must be an integer >= 1, got {size!r}")
+    counter: Callable[[B], object] = count if count is not None else count_samples
+    world_size = ranks.world_size if ranks is not None else 1
+    for number, window in enumerate(_windows(batches, size)):
+        counts = [_to_count(counter(batch)) for batch in window]
+        total = ranks.total(sum(counts)) if ranks is not None else sum(counts)
+        weights = mean_loss_weights(counts, total, world_size)
+        per_unit = sum_loss_weight(total, world_size)
+        for index, (batch, n, weight) in enumerate(zip(window, counts, weights, strict=True)):
+            yield MicroStep(
+                batch=batch,
+                window=number,
+                index=index,
+                window_size=len(window),
+                count=n,
+                total=total,
+                weight=weight,
+                sum_weight=per_unit,
+            )
