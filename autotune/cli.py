@@ -225,6 +225,24 @@ def plan_command(
 
 
 @app.command()
+def devices(
+    json_output: Annotated[bool, typer.Option("--json", help="Print the inventory as one JSON document.")] = False,
+) -> None:
+    """List the GPUs NVML sees: memory (v2 with reserved where the driver has it), compute
+    processes and MIG instances. Exits 1 when NVML cannot be read (the reason says why)."""
+    from autotune.devices_view import print_inventory
+    from autotune.nvml import inventory
+
+    inv = inventory()
+    if json_output:
+        sys.stdout.write(inv.model_dump_json(indent=2) + "\n")
+    else:
+        print_inventory(inv, out, err)
+    if not inv.available:
+        sys.exit(1)  # not typer.Exit: main() runs click with standalone_mode=False, which drops its code
+
+
+@app.command()
 def version() -> None:
     """Print the version."""
     out.print(__version__)

@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from autotune import __version__, fingerprint, gpu
+from autotune import __version__, fingerprint, gpu, nvml
 from autotune.budget import BudgetDevice
 from autotune.errors import ConfigError, InsufficientMemoryError
 from autotune.plan import Plan, Policy, plan
@@ -118,7 +118,7 @@ def open_device(request: ProbeRequest) -> tuple[ProbeDevice, str, int, int]:
     minimum = settings.min_free_memory if request.min_free_memory is None else request.min_free_memory
     if free < minimum:
         raise InsufficientMemoryError(
-            f"cuda:{index} has only {format_bytes(free)} free (other processes hold the rest); "
+            f"cuda:{index} has only {format_bytes(free)} free ({nvml.holders_note(index)}); "
             f"a probe needs at least {format_bytes(minimum)}: wait for them or lower "
             "--min-free-memory"
         )
