@@ -1,0 +1,132 @@
+"""Whole probes on the CPU budget device: the answer is exact, shown by the trials and by a dense scan."""
+
+from __future__ import annotations
+
+import pytest
+
+from autotune.budget import BudgetDevice
+from autotune.errors import ConfigError, NotAnOOMError, NothingFitsError, WorkloadError
+from autotune.examples import EXAMPLES
+from autotune.probe import ProbeRequest, load_workload, run_probe
+from autotune.trial import TrialRunner
+
+MIB = 2**20
+BUDGETS = {
+    "gpt": [96, 128, 160],
+    "cnn": [32, 48, 64],
+    "mlp": [64, 68, 72],
+}
+# Dense scans cover every size up to the answer; the mlp's answers are in the hundreds, so it is
+# scanned densely around the answer instead.
+MLP_WINDOW = 4
+
+
+@pytest.mark.parametrize(("name", "mib"), [(n, m) for n, ms in BUDGETS.items() for m in ms])
+def test_answer_fits_and_one_more_ooms_and_a_dense_scan_agrees(name: str, mib: int) -> None:
+    request = ProbeRequest(target=name, device="cpu", memory=mib * MIB)
+    result = run_probe(request)
+    b = result.max_micro_batch
+    by_batch = {t.batch: t for t in result.trials}
+    assert by_batch[b].fits
+    assert not by_batch[b + 1].fits
+    assert not result.capped
+    assert by_batch[b].peak_reserved_bytes is not None
+    assert by_batch[b].peak_reserved_bytes <= result.limit_bytes < by_batch[b + 1].peak_reserved_bytes  # type: ignore[operator]
+    assert result.limit_bytes == mib * MIB - result.headroom_bytes
+    assert result.headroom_bytes == int(0.05 * mib * MIB)
+
+    runner = TrialRunner(load_workload(request), BudgetDevice(mib * MIB, result.limit_bytes), steps=2)
+    sizes = range(b - MLP_WINDOW, b + 3) if name == "mlp" else range(1, b + 3)
+    scan = {size: runner(size).fits for size in sizes}
+    first_failure = min(size for size, fits in scan.items() if not fits)
+    assert first_failure == b + 1
+    assert all(not fits for size, fits in scan.items() if size > b), "memory is not monotone in the batch"
+
+
+def test_plan_in_the_result() -> None:
+    result = run_probe(ProbeRequest(target="gpt", device="cpu", memory=128 * MIB, effective_batch=100))
+    assert result.plan is not None
+    assert result.plan.max_micro_batch == result.max_micro_batch
+    assert result.plan.achieved_effective_batch == 100
+
+
+def test_cap_reached_is_reported_and_tried() -> None:
+    result = run_probe(ProbeRequest(target="cnn", device="cpu", memory=256 * MIB, max_batch=5))
+    assert result.capped and result.max_micro_batch == 5
+    assert max(t.batch for t in result.trials) == 5
+
+
+def test_granularity_only_tries_multiples() -> None:
+    result = run_probe(ProbeRequest(target="cnn", device="cpu", memory=64 * MIB, granularity=4))
+    assert all(t.batch % 4 == 0 for t in result.trials)
+    by_batch = {t.batch: t for t in result.trials}
+    assert by_batch[result.max_micro_batch].fits and not by_batch[result.max_micro_batch + 4].fits
+
+
+def test_headroom_as_a_size() -> None:
+    result = run_probe(ProbeRequest(target="gpt", device="cpu", memory=128 * MIB, headroom="32MiB"))
+    assert result.headroom_bytes == 32 * MIB and result.limit_bytes == 96 * MIB
+    assert (
+        result.max_micro_batch == run_probe(ProbeRequest(target="gpt", device="cpu", memory=101 * MIB)).max_micro_batch
+    )
+
+
+def test_nothing_fits_states_need_and_budget() -> None:
+    with pytest.raises(NothingFitsError, match=r"even batch 1 does not fit within a limit of 28\.5 MiB") as info:
+        run_probe(ProbeRequest(target="gpt", device="cpu", memory=30 * MIB))
+    assert info.value.peak_bytes is not None and info.value.peak_bytes > info.value.limit_bytes
+
+
+def test_a_non_oom_failure_keeps_the_original_message() -> None:
+    with pytest.raises(NotAnOOMError, match="shape mismatch in my data pipeline"):
+        run_probe(ProbeRequest(target="tests.workloads:broken", device="cpu", memory=64 * MIB))
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "error", "message"),
+    [
+        ({"target": "resnet"}, WorkloadError, "unknown workload 'resnet'"),
+        ({"target": "no_such_module:thing"}, WorkloadError, "cannot import module 'no_such_module'"),
+        ({"target": "tests.workloads:missing"}, WorkloadError, "has no attribute 'missing'"),
+        ({"target": "tests.workloads:not_a_workload"}, WorkloadError, "returned int, not a Workload"),
+        ({"target": "gpt", "options": {"depth": 3}}, WorkloadError, "bad options"),
+        ({"target": "gpt", "device": "tpu"}, ConfigError, "unknown device 'tpu'"),
+        ({"target": "gpt", "device": "cpu", "headroom": "1GiB", "memory": "512MiB"}, ConfigError, "leaves nothing"),
+    ],
+)
+def test_bad_requests(request_kwargs: dict, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        run_probe(ProbeRequest(**request_kwargs))
+
+
+def test_fingerprint_is_stable_and_changes_with_what_determines_memory() -> None:
+    from autotune.probe import device_info, open_device, result_fingerprint
+
+    def key(**kwargs: object) -> str:
+        request = ProbeRequest(**{"target": "gpt", "device": "cpu", "memory": 128 * MIB, **kwargs})
+        device, *_ = open_device(request)
+        return result_fingerprint(load_workload(request), request, device_info(device), device.limit_bytes)
+
+    base = key()
+    assert key() == base
+    changes = [
+        {"options": {"seq_len": 64}},
+        {"options": {"width": 128}},
+        {"precision": "bf16"},
+        {"optimizer": "sgd"},
+        {"steps": 3},
+        {"memory": 256 * MIB},
+        {"headroom": 0.1},
+        {"max_batch": 64},
+        {"granularity": 8},
+        {"target": "cnn"},
+    ]
+    keys = {key(**change) for change in changes}
+    assert base not in keys
+    assert len(keys) == len(changes)
+
+
+def test_examples_fit_batch_eight_in_256_mib() -> None:
+    for name in EXAMPLES:
+        runner = TrialRunner(EXAMPLES[name](), BudgetDevice(256 * MIB), steps=2)
+        assert runner(8).fits, name

@@ -1,0 +1,92 @@
+"""Trials: real training steps at one size, undone afterwards, OOM or not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autotune.budget import BudgetDevice
+from autotune.errors import NotAnOOMError
+from autotune.examples import gpt
+from autotune.trial import TrialRunner
+from tests.workloads import broken
+
+
+def _runner(limit_mib: int, workload=None) -> TrialRunner:  # type: ignore[no-untyped-def]
+    device = BudgetDevice(total_bytes=limit_mib * 2**20)
+    return TrialRunner(workload or gpt(layers=1), device, steps=2)
+
+
+def test_one_hundred_ooms_in_a_row_leak_nothing() -> None:
+    runner = _runner(48)
+    fitting = runner(1)
+    assert fitting.fits
+    baseline = runner.device.live_bytes()
+    assert baseline == runner.baseline_bytes
+    for _ in range(100):
+        record = runner(64)
+        assert not record.fits
+        assert record.oom_message and "out of memory" in record.oom_message
+        assert runner.device.live_bytes() == baseline, "an OOM trial left memory behind"
+        assert runner.last_leak_bytes == 0
+    assert runner(1).fits
+
+
+def test_failed_trial_leaves_no_grads_and_original_weights() -> None:
+    runner = _runner(48)
+    before = [p.detach().clone() for p in runner.model.parameters()]
+    assert not runner(64).fits
+    assert all(p.grad is None for p in runner.model.parameters())
+    assert all(torch.equal(a, p) for a, p in zip(before, runner.model.parameters(), strict=True))
+    assert runner(1).fits  # a fitting trial updates weights... and is undone as well
+    assert all(torch.equal(a, p) for a, p in zip(before, runner.model.parameters(), strict=True))
+
+
+def test_trials_are_independent_of_order() -> None:
+    runner = _runner(96)
+    first = runner(4)
+    runner(64)  # OOM in between
+    runner(2)
+    again = runner(4)
+    assert first.fits and again.fits
+    assert first.peak_allocated_bytes == again.peak_allocated_bytes
+
+
+def test_second_step_holds_the_optimizer_state() -> None:
+    # Adam's moments exist during the second step's backward, not the first's: with activations
+    # larger than the optimizer's temporaries, step 2 is the peak.
+    one = TrialRunner(gpt(layers=2), BudgetDevice(2**30), steps=1)(8)
+    two = TrialRunner(gpt(layers=2), BudgetDevice(2**30), steps=2)(8)
+    assert two.peak_allocated_bytes is not None and one.peak_allocated_bytes is not None
+    assert two.peak_allocated_bytes > one.peak_allocated_bytes
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trials_run(precision: str) -> None:
+    workload = gpt(layers=1, precision=precision)
+    record = TrialRunner(workload, BudgetDevice(2**30))(2)
+    assert record.fits and record.step_seconds is not None
+
+
+def test_an_error_that_is_not_an_oom_stops_with_its_message() -> None:
+    runner = TrialRunner(broken(), BudgetDevice(2**30))
+    assert runner(2).fits
+    with pytest.raises(NotAnOOMError, match="ValueError: shape mismatch in my data pipeline"):
+        runner(4)
+    assert runner.device.live_bytes() == runner.baseline_bytes
+
+
+@pytest.mark.cuda
+def test_one_hundred_ooms_on_cuda_leak_nothing() -> None:
+    from autotune.gpu import CudaDevice
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    device = CudaDevice(0, limit_bytes=min(total, 4 * 2**30))
+    runner = TrialRunner(gpt(), device)
+    assert runner(1).fits
+    baseline = torch.cuda.memory_allocated()
+    for _ in range(100):
+        assert not runner(4096).fits
+        assert torch.cuda.memory_allocated() == baseline
+    assert runner(1).fits
+    torch.cuda.set_per_process_memory_fraction(1.0)

@@ -1,0 +1,67 @@
+"""Workloads that misbehave, for testing isolation and error handling (used as tests.workloads:NAME)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+from torch import nn
+
+from autotune.workload import Workload
+
+
+def _tiny(make_batch_effect: object = None) -> Workload:
+    def batch(b: int, device: torch.device) -> torch.Tensor:
+        if callable(make_batch_effect):
+            make_batch_effect(b)
+        return torch.randn(b, 8, device=device)
+
+    return Workload(
+        name="tiny",
+        build_model=lambda: nn.Linear(8, 8),
+        make_batch=batch,
+        loss=lambda model, x: model(x).square().mean(),
+        optimizer="sgd",
+    )
+
+
+def segfault() -> Workload:
+    return _tiny(lambda b: os.kill(os.getpid(), signal.SIGSEGV) if b >= 4 else None)
+
+
+def exits() -> Workload:
+    return _tiny(lambda b: os._exit(7) if b >= 2 else None)
+
+
+def hangs() -> Workload:
+    return _tiny(lambda b: time.sleep(3600) if b >= 2 else None)
+
+
+def _raise_value_error(b: int) -> None:
+    if b >= 4:
+        raise ValueError("shape mismatch in my data pipeline")
+
+
+def broken() -> Workload:
+    return _tiny(_raise_value_error)
+
+
+tiny = _tiny()
+
+
+def not_a_workload() -> int:
+    return 3
+
+
+def ragged(threshold: int = 40, width: int = 64) -> Workload:
+    """Memory that grows with the batch, with a user option: used by CLI tests."""
+    return Workload(
+        name="ragged",
+        build_model=lambda: nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1)),
+        make_batch=lambda b, device: torch.randn(b, width, device=device),
+        loss=lambda model, x: model(x).mean(),
+        optimizer="adam",
+        input_spec={"threshold": threshold, "width": width},
+    )
