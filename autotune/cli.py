@@ -137,8 +137,14 @@ def probe(
         str | None, typer.Option(help="Refuse to probe a GPU with less free memory than this.")
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the result as one JSON document.")] = False,
+    publish: Annotated[
+        str | None,
+        typer.Option(help="Post the result to the autotune service at this URL (token: AUTOTUNE_TOKEN)."),
+    ] = None,
 ) -> None:
     """Probe the largest micro-batch of TARGET that fits within the budget."""
+    if publish is not None and not publish.startswith(("http://", "https://")):
+        raise ConfigError(f"--publish {publish!r} must be the service's URL, e.g. http://autotune:8000")
     try:
         request = ProbeRequest.model_validate(
             dict(
@@ -171,6 +177,11 @@ def probe(
         sys.stdout.write(result.model_dump_json(indent=2) + "\n")
     else:
         _print_summary(result)
+    if publish is not None:
+        from autotune.client import publish_result
+
+        fingerprint = publish_result(publish, result, token=get_settings().token)
+        err.print(f"published to {publish} (fingerprint {fingerprint[:16]})", highlight=False)
 
 
 def _run_with_progress(request: ProbeRequest, in_process: bool, timeout: float | None) -> ProbeResult:
@@ -243,6 +254,19 @@ def devices(
 
 
 @app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+) -> None:
+    """Run the autotune service (AUTOTUNE_* settings; needs the `server` extra)."""
+    try:
+        from api.server import serve as run_server
+    except ImportError as exc:
+        raise ConfigError(f"the service needs its extra: pip install 'autotune[server]' ({exc})") from None
+    run_server(host=host, port=port)
+
+
+@app.command()
 def version() -> None:
     """Print the version."""
     out.print(__version__)
@@ -270,27 +294,17 @@ def _validation_message(exc: ValueError) -> str:
 
 
 def main() -> None:
-    """Console entry point: our errors become one line on stderr and an exit code."""
+    """Console entry point: our errors become one line on stderr and an exit code.
+
+    Usage errors (a missing argument, an unknown flag) are click's: it prints them and exits 2."""
     try:
-        app(standalone_mode=False)
+        app()
     except ConfigError as exc:
         err.print(f"[red]error:[/] {exc}", highlight=False)
         sys.exit(2)
     except AutotuneError as exc:
         err.print(f"[red]probe failed:[/] {exc}", highlight=False)
         sys.exit(1)
-    except KeyboardInterrupt:
-        err.print("interrupted")
-        sys.exit(130)
-    except Exception as exc:
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        if isinstance(exc, click.exceptions.Abort):
-            sys.exit(1)
-        raise
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -93,6 +95,11 @@ def _import_attribute(target: str) -> Any:
         raise WorkloadError(
             f"target {target!r} is neither a built-in example nor module:attribute (for example mypkg.train:workload)"
         )
+    # Like uvicorn's --app-dir default: `autotune probe mypkg.train:workload` run from a project
+    # directory finds mypkg there even though console scripts do not put the cwd on sys.path.
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

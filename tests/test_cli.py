@@ -1,0 +1,98 @@
+"""The `autotune` console script, run as a user runs it: a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autotune.plan import Plan
+from autotune.results import ProbeResult
+
+AUTOTUNE = str(Path(sys.executable).parent / "autotune")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([AUTOTUNE, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False)
+
+
+def test_probe_json_is_one_document_with_the_boundary() -> None:
+    proc = run("probe", "gpt", "--device", "cpu", "--memory", "96MiB", "--effective-batch", "64", "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = ProbeResult.model_validate_json(proc.stdout)
+    b = result.max_micro_batch
+    by_batch = {t.batch: t.fits for t in result.trials}
+    assert by_batch[b] is True and by_batch[b + 1] is False
+    assert result.device.kind == "cpu-budget" and result.budget_bytes == 96 * 2**20
+    assert result.plan is not None and result.plan.achieved_effective_batch == 64
+    assert result.versions.torch and len(result.fingerprint) == 64
+    assert "trial" in proc.stderr  # progress goes to stderr, never into the JSON
+
+
+def test_probe_summary_in_process_with_user_workload_options() -> None:
+    proc = run(
+        "probe", "tests.workloads:ragged", "-o", "width=32", "--device", "cpu", "--memory", "1MiB",
+        "--headroom", "0", "--in-process", "--effective-batch", "100", "--policy", "exact",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "max micro-batch:" in proc.stdout
+    assert "plan (exact)" in proc.stdout
+
+
+def test_plan_command_json() -> None:
+    proc = run("plan", "--effective-batch", "2050", "--max-micro-batch", "1024", "--json")
+    assert proc.returncode == 0, proc.stderr
+    plan = Plan.model_validate_json(proc.stdout)
+    assert plan.micro_batches == [684, 683, 683]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["probe", "resnet9000"], "unknown workload 'resnet9000'"),
+        (["probe", "gpt", "--memory", "12XB"], "cannot parse size '12XB'"),
+        (["probe", "gpt", "--effective-batch", "0"], "effective_batch"),
+        (["probe", "gpt", "--headroom", "150%"], "headroom fraction must be in [0, 1)"),
+        (["probe", "gpt", "--device", "tpu"], "unknown device 'tpu'"),
+        (["probe", "gpt", "--policy", "fastest"], "unknown policy 'fastest'"),
+        (["probe", "gpt", "--precision", "fp8"], "--precision 'fp8' is not one of"),
+        (["probe", "gpt", "-o", "seq_len"], "is not key=value"),
+        (["probe", "gpt", "-o", "depth=3"], "bad options"),
+        (["probe", "tests.broken_import:workload"], "No module named 'autotune_no_such_dependency'"),
+        (["probe", "gpt", "--effective-batch", "10", "--world-size", "4"], "not a multiple of world size 4"),
+        (["plan", "--effective-batch", "-5", "--max-micro-batch", "8"], "effective batch must be at least 1"),
+        (["probe"], "Missing argument"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(args: list[str], message: str) -> None:
+    proc = run(*args)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["probe", "gpt", "--device", "cpu", "--memory", "30MiB"], "even batch 1 does not fit"),
+        (["probe", "tests.workloads:segfault", "--device", "cpu", "--memory", "64MiB"], "killed by SIGSEGV"),
+        (["probe", "tests.workloads:broken", "--device", "cpu", "--memory", "64MiB"], "shape mismatch"),
+    ],
+)
+def test_failed_probe_exits_1_with_its_reason(args: list[str], message: str) -> None:
+    proc = run(*args)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_json_on_failure_prints_no_document() -> None:
+    proc = run("probe", "gpt", "--device", "cpu", "--memory", "30MiB", "--json")
+    assert proc.returncode == 1
+    assert proc.stdout.strip() == ""
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(proc.stdout or "x")

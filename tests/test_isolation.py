@@ -1,0 +1,56 @@
+"""Probes in a spawned child: crashes, abrupt exits and hangs become failed probes, never a dead caller."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from autotune.errors import NotAnOOMError, ProbeCrashedError, ProbeTimeoutError, WorkloadError
+from autotune.isolation import run_isolated
+from autotune.probe import ProbeRequest, run_probe
+from autotune.results import TrialRecord
+
+MIB = 2**20
+
+
+def _request(target: str, **kwargs: object) -> ProbeRequest:
+    return ProbeRequest(target=target, device="cpu", memory=64 * MIB, **kwargs)  # type: ignore[arg-type]
+
+
+def test_isolated_probe_matches_in_process_and_streams_trials() -> None:
+    request = ProbeRequest(target="gpt", device="cpu", memory=96 * MIB, effective_batch=32)
+    seen: list[TrialRecord] = []
+    isolated = run_isolated(request, timeout=120, on_trial=seen.append)
+    local = run_probe(request)
+    assert isolated.max_micro_batch == local.max_micro_batch
+    assert isolated.fingerprint == local.fingerprint
+    assert [t.batch for t in seen] == [t.batch for t in isolated.trials] == [t.batch for t in local.trials]
+    assert isolated.plan == local.plan
+
+
+def test_a_segfault_is_a_failed_probe_with_the_signal() -> None:
+    seen: list[TrialRecord] = []
+    with pytest.raises(ProbeCrashedError, match=r"killed by SIGSEGV after 2 trial\(s\)"):
+        run_isolated(_request("tests.workloads:segfault"), timeout=120, on_trial=seen.append)
+    assert [t.batch for t in seen] == [1, 2]
+
+
+def test_an_abrupt_exit_is_a_failed_probe_with_the_code() -> None:
+    with pytest.raises(ProbeCrashedError, match="exited with code 7"):
+        run_isolated(_request("tests.workloads:exits"), timeout=120)
+
+
+def test_a_hang_is_killed_at_the_timeout() -> None:
+    started = time.monotonic()
+    with pytest.raises(ProbeTimeoutError, match=r"timeout of 10 s after \d trial\(s\)"):
+        run_isolated(_request("tests.workloads:hangs"), timeout=10)
+    assert time.monotonic() - started < 40
+
+
+def test_errors_from_the_child_keep_their_type_and_message() -> None:
+    with pytest.raises(NotAnOOMError, match="shape mismatch in my data pipeline") as info:
+        run_isolated(_request("tests.workloads:broken"), timeout=120)
+    assert info.value.batch == 4
+    with pytest.raises(WorkloadError, match="unknown workload"):
+        run_isolated(_request("no-such-example"), timeout=120)
