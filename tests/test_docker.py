@@ -29,7 +29,7 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
 def _run(args: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, capture_output=True, text=True, check=False, **kwargs)  # type: ignore[call-overload,no-any-return]
+    return subprocess.run(args, capture_output=True, text=True, check=False, **kwargs)  # type: ignore[call-overload]
 
 
 # --- hadolint -------------------------------------------------------------------------------
