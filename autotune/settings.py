@@ -10,6 +10,8 @@
 | AUTOTUNE_HEADROOM            | 0.05             | fraction of the budget (or a size) kept free         |
 | AUTOTUNE_PROBE_TIMEOUT       | 900              | seconds before an isolated probe is killed           |
 | AUTOTUNE_MIN_FREE_MEMORY     | 1GiB             | a CUDA probe refuses to start with less free memory  |
+| AUTOTUNE_MAX_BODY            | 1MiB             | the service refuses request bodies larger than this  |
+| AUTOTUNE_MAX_CPU_MEMORY      | 8GiB             | the largest budget device a service request may ask  |
 """
 
 from __future__ import annotations
@@ -36,8 +38,12 @@ class Settings(BaseSettings):
     headroom: float | int = 0.05
     probe_timeout: float = Field(default=900.0, gt=0)
     min_free_memory: int = Field(default=2**30, ge=0)
+    # The service's bounds. The budget device really allocates what it simulates, so a request
+    # for a huge one would exhaust the server's RAM: the service caps it.
+    max_body: int = Field(default=2**20, ge=1024, description="bytes")
+    max_cpu_memory: int = Field(default=8 * 2**30, ge=2**20, description="bytes")
 
-    @field_validator("cpu_memory", "min_free_memory", mode="before")
+    @field_validator("cpu_memory", "min_free_memory", "max_body", "max_cpu_memory", mode="before")
     @classmethod
     def _size(cls, value: object) -> int:
         return parse_size(value if isinstance(value, int) else str(value))

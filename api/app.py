@@ -1,0 +1,62 @@
+"""The FastAPI application: `create_app()` wires settings, lifespan, routes and error handlers.
+
+The lifespan opens the `Service` (registry, devices, store, caches, probe workers) before the
+first request and closes it after the last, marking probes still queued or running as
+interrupted. One process per database: the request-key table of active jobs and the result cache
+live in this process's memory, so run one server (one uvicorn worker) per AUTOTUNE_DB.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+
+from api import errors, ops, v1
+from api.jobs import Runner
+from api.security import token_bytes
+from api.service import Service
+from autotune import __version__
+from autotune.settings import Settings, get_settings
+
+DESCRIPTION = """\
+Answers "for workload W at effective batch E on this GPU, which micro-batch and how many
+accumulation steps?" from stored probe results; runs a probe (isolated, one at a time per device)
+when none is stored. With AUTOTUNE_TOKEN set, /v1 endpoints need `Authorization: Bearer <token>`.
+"""
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    inventory: Any | None = None,
+    runner: Runner | None = None,
+) -> FastAPI:
+    """The app. `inventory` replaces the NVML inventory and `runner` the isolated probe (tests)."""
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        service = Service(settings, inventory=inventory, runner=runner)
+        app.state.service = service
+        try:
+            yield
+        finally:
+            service.close()
+            app.state.service = None
+
+    app = FastAPI(
+        title="autotune",
+        version=__version__,
+        description=DESCRIPTION,
+        lifespan=lifespan,
+        max_body_size=settings.max_body,
+    )
+    app.state.token = token_bytes(settings.token)
+    app.state.service = None
+    errors.install(app)
+    app.include_router(ops.router)
+    app.include_router(v1.router)
+    return app

@@ -1,0 +1,47 @@
+"""The operational endpoints, open without a token: liveness, readiness and Prometheus metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response, status
+
+from api.metrics import CONTENT_TYPE
+from api.schemas import Health, Readiness
+from api.service import Service
+
+router = APIRouter(tags=["operations"])
+
+
+@router.get("/healthz", response_model=Health, summary="The process answers")
+async def healthz() -> Health:
+    return Health()
+
+
+@router.get(
+    "/readyz",
+    response_model=Readiness,
+    summary="The store is open and the devices are known",
+    responses={503: {"model": Readiness, "description": "Not ready: `problems` says why."}},
+)
+async def readyz(request: Request) -> Response:
+    svc: Service | None = getattr(request.app.state, "service", None)
+    if svc is None:
+        view = Readiness(status="not ready", store=False, devices=[], results=0, problems=["starting up"])
+        return Response(view.model_dump_json(), status.HTTP_503_SERVICE_UNAVAILABLE, media_type="application/json")
+    store_ok = svc.store.ping()
+    devices = svc.devices.ids()
+    problems = [] if store_ok else [f"the database {svc.store.path} does not answer"]
+    view = Readiness(
+        status="ready" if not problems else "not ready",
+        store=store_ok,
+        devices=devices,
+        results=len(svc.results),
+        problems=problems,
+    )
+    code = status.HTTP_200_OK if not problems else status.HTTP_503_SERVICE_UNAVAILABLE
+    return Response(view.model_dump_json(), code, media_type="application/json")
+
+
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response)
+async def metrics(request: Request) -> Response:
+    svc: Service = request.app.state.service
+    return Response(svc.metrics.render(), media_type=CONTENT_TYPE)

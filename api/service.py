@@ -1,0 +1,230 @@
+"""The service's state and the decisions the endpoints share, independent of HTTP.
+
+`Service` holds the settings, the store, the registry, the devices, the in-memory caches, the
+probe manager and the metrics, opened once in the app's lifespan. Its methods turn what a request
+names (a registered workload, a device, optional budget, headroom, precision...) into a
+`Resolved` probe: the device id, the request key, and the `ProbeRequest` a job would run. Plan
+queries resolve through a bounded memo, so a repeated query costs dictionary lookups only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from api.cache import Cached, PlanCache, ResultCache
+from api.devices import DeviceCatalog, read_inventory
+from api.jobs import ProbeManager, Runner
+from api.metrics import Metrics
+from api.schemas import PlanView, ProbeView
+from autotune.errors import PlanError
+from autotune.plan import Plan, Policy, plan
+from autotune.probe import ProbeRequest
+from autotune.probekey import ProbeKey, key_for_request
+from autotune.registry import RegisteredWorkload, Registry, load_registry
+from autotune.settings import Settings
+from autotune.store import JobRecord, Store, StoredResult
+
+log = logging.getLogger(__name__)
+
+MAX_ACCUMULATION_STEPS = 10_000  # beyond this a plan is a typo, and its JSON megabytes long
+
+
+@dataclass(frozen=True)
+class Resolved:
+    entry: RegisteredWorkload
+    device: str
+    key: ProbeKey
+    digest: str
+    request: ProbeRequest
+
+
+class Service:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        inventory: Any | None = None,
+        runner: Runner | None = None,
+    ) -> None:
+        self.settings = settings
+        self.registry: Registry = load_registry(settings.workloads)
+        self.devices = DeviceCatalog(
+            inventory if inventory is not None else read_inventory(),
+            settings.cpu_memory,
+            settings.max_cpu_memory,
+        )
+        self.store = Store(settings.db)
+        self.metrics = Metrics()
+        try:
+            self.results = ResultCache(self.store.results_by_key())
+        except BaseException:
+            self.store.close()
+            raise
+        self.plans = PlanCache()
+        self.jobs = ProbeManager(self.store, self.results, self.metrics, timeout=settings.probe_timeout, runner=runner)
+        self._resolved: OrderedDict[tuple[Any, ...], Resolved] = OrderedDict()
+        self.metrics.probes.labels("interrupted").inc(len(self.store.interrupted))
+        log.info(
+            "autotune service: %d workload(s), devices %s, %d stored result key(s), "
+            "%d interrupted job(s) marked failed",
+            len(self.registry),
+            ", ".join(self.devices.ids()),
+            len(self.results),
+            len(self.store.interrupted),
+        )
+
+    def close(self) -> None:
+        self.jobs.close()
+        self.store.close()
+
+    # Resolving requests ----------------------------------------------------------------------
+    def resolve(
+        self,
+        workload: str,
+        *,
+        device: str | None = None,
+        memory: int | None = None,
+        budget: Literal["total", "free"] | None = None,
+        headroom: float | int | None = None,
+        precision: str | None = None,
+        optimizer: str | None = None,
+        steps: int | None = None,
+        max_batch: int | None = None,
+        granularity: int | None = None,
+    ) -> Resolved:
+        """Raises UnknownWorkloadError (404), NoDeviceError (503) or ConfigError (422)."""
+        memo_key = (workload, device, memory, budget, headroom, precision, optimizer, steps, max_batch, granularity)
+        found = self._resolved.get(memo_key)
+        if found is not None:
+            return found
+        entry = self.registry.get(workload)
+        device_id = self.devices.resolve(device)
+        policy = budget or self.settings.budget
+        room = self.settings.headroom if headroom is None else headroom
+        key = key_for_request(
+            entry,
+            self.devices.key(device_id, memory),
+            budget=policy,
+            memory=memory,
+            headroom=room,
+            precision=precision,
+            optimizer=optimizer,
+            steps=steps,
+            max_batch=max_batch,
+            granularity=granularity,
+        )
+        # Everything explicit, so that the child's own AUTOTUNE_* defaults cannot make it probe
+        # something other than what the key says.
+        request = ProbeRequest(
+            target=entry.target,
+            options=dict(entry.options),
+            device=device_id,
+            memory=key.device.total_bytes if device_id == "cpu" else memory,
+            budget=policy,
+            headroom=room,
+            precision=key.precision,  # type: ignore[arg-type]
+            optimizer=key.optimizer,  # type: ignore[arg-type]
+            steps=key.steps,
+            max_batch=key.max_batch,
+            granularity=key.granularity,
+        )
+        resolved = Resolved(entry=entry, device=device_id, key=key, digest=key.digest(), request=request)
+        self._resolved[memo_key] = resolved
+        while len(self._resolved) > 1024:
+            self._resolved.popitem(last=False)
+        return resolved
+
+    def submit(self, resolved: Resolved) -> tuple[JobRecord, bool]:
+        return self.jobs.submit(
+            request_key=resolved.digest,
+            workload=resolved.entry.name,
+            device=resolved.device,
+            request=resolved.request,
+        )
+
+    # Views -----------------------------------------------------------------------------------
+    def job_view(self, job_id: str) -> ProbeView | None:
+        """A job, active (from memory, with its trials so far) or finished (from the store)."""
+        record = self.jobs.get(job_id) or self.store.get_job(job_id)
+        if record is None:
+            return None
+        result = None
+        if record.status == "succeeded" and record.fingerprint:
+            stored = self.store.get_result(record.fingerprint)
+            result = stored.result if stored else None
+        return ProbeView(
+            id=record.id,
+            status=record.status,
+            workload=record.workload,
+            device=record.device,
+            request_key=record.request_key,
+            created_at=record.created_at,
+            started_at=record.started_at,
+            finished_at=record.finished_at,
+            trials=record.trials,
+            result=result,
+            error=record.error,
+        )
+
+    @staticmethod
+    def stored_view(resolved: Resolved, stored: StoredResult) -> ProbeView:
+        return ProbeView(
+            id=None,
+            status="succeeded",
+            workload=resolved.entry.name,
+            device=resolved.device,
+            request_key=resolved.digest,
+            trials=stored.result.trials,
+            result=stored.result,
+            finished_at=stored.stored_at,
+        )
+
+    # Plans -----------------------------------------------------------------------------------
+    def plan_body(
+        self, resolved: Resolved, cached: Cached, effective_batch: int, world_size: int, policy: Policy
+    ) -> bytes:
+        """The JSON of a PlanView, from the plan cache or made now. Raises PlanError (422)."""
+        memo = (cached.version, resolved.entry.name, resolved.device, effective_batch, world_size, policy)
+        body = self.plans.get(memo)
+        if body is None:
+            result = cached.stored.result
+            made = make_plan(effective_batch, result.max_micro_batch, world_size, policy)
+            body = (
+                PlanView(
+                    workload=resolved.entry.name,
+                    device=resolved.device,
+                    fingerprint=result.fingerprint,
+                    max_micro_batch=result.max_micro_batch,
+                    capped=result.capped,
+                    plan=made,
+                )
+                .model_dump_json()
+                .encode()
+            )
+            self.plans.put(memo, body)
+        return body
+
+
+def check_plan(effective_batch: int, world_size: int, policy: Policy) -> None:
+    """Fail fast, before any probe, on a plan no micro-batch size could satisfy."""
+    plan(effective_batch, effective_batch, world_size, policy)  # one step: only the arithmetic checks run
+
+
+def make_plan(effective_batch: int, max_micro_batch: int, world_size: int, policy: Policy) -> Plan:
+    per_rank = effective_batch // max(world_size, 1)
+    fewest = -(-per_rank // max_micro_batch)
+    if fewest > MAX_ACCUMULATION_STEPS:
+        raise PlanError(
+            f"effective batch {effective_batch} needs {fewest} accumulation steps of at most "
+            f"{max_micro_batch} per rank: more than the {MAX_ACCUMULATION_STEPS} this service plans"
+        )
+    made = plan(effective_batch, max_micro_batch, world_size, policy)
+    if made.accumulation_steps > MAX_ACCUMULATION_STEPS:
+        raise PlanError(
+            f"policy exact needs {made.accumulation_steps} accumulation steps for effective batch "
+            f"{effective_batch}: more than the {MAX_ACCUMULATION_STEPS} this service plans; use fewest-steps"
+        )
+    return made

@@ -1,0 +1,350 @@
+"""The client training jobs use: ask the autotune service for a plan, publish a result.
+
+    from autotune.client import AutotuneClient
+
+    with AutotuneClient("http://autotune:8000", token=os.environ.get("AUTOTUNE_TOKEN")) as client:
+        plan = client.plan("gpt", effective_batch=256, world_size=8, fallback="local")
+
+`plan` asks `GET /v1/plan`; when no result is stored the service starts a probe and the client
+waits for it, long-polling (`wait=`) with exponential backoff between answers, up to `timeout`.
+Errors become ours: 401 `AuthError`; an unreachable service or a 5xx `ServiceUnavailableError`
+(after a few retries with backoff); other refusals `ServiceError` with the status code; a probe
+that failed on the service the `ProbeError` it failed with. With `fallback="local"`, a service
+that cannot be reached (or answers 5xx) is replaced by a probe in this job, of the same registered
+workload read from AUTOTUNE_WORKLOADS (or the built-ins), in an isolated child. A probe that is
+still running when `timeout` passes is not a reason to fall back: a second probe on the same GPU
+would measure a card the first one is using.
+
+Only httpx: no web framework, and torch is imported only for a local fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+import httpx
+
+from autotune import errors
+from autotune.plan import Plan, Policy
+from autotune.results import ProbeResult
+
+log = logging.getLogger(__name__)
+
+Fallback = Literal["local", "error"]
+MAX_WAIT = 30.0  # seconds one plan query asks the service to block (the service allows 60)
+
+_PROBE_ERRORS: dict[str, type[errors.AutotuneError]] = {
+    cls.__name__: cls
+    for cls in (
+        errors.ProbeError,
+        errors.ProbeCrashedError,
+        errors.ProbeTimeoutError,
+        errors.InsufficientMemoryError,
+        errors.ConfigError,
+        errors.WorkloadError,
+        errors.PlanError,
+        errors.DeviceError,
+    )
+}
+
+
+class _Unreachable(errors.ServiceUnavailableError):
+    """The service could not be reached or answered 5xx: what `fallback="local"` covers."""
+
+
+class AutotuneClient:
+    """A synchronous client of the autotune service. Close it, or use it as a context manager."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        *,
+        request_timeout: float = 30.0,
+        retries: int = 3,
+        backoff: float = 0.5,
+        max_backoff: float = 10.0,
+        workloads_file: Path | None = None,
+        transport: httpx.BaseTransport | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if not base_url.startswith(("http://", "https://")):
+            raise errors.ConfigError(f"service URL {base_url!r} must start with http:// or https://")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=request_timeout, transport=transport)
+        self._request_timeout = request_timeout
+        self._retries = retries
+        self._backoff = backoff
+        self._max_backoff = max_backoff
+        self._workloads_file = workloads_file
+        self._sleep = sleep
+        self.last_source: Literal["service", "local"] | None = None
+
+    def __enter__(self) -> AutotuneClient:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    # The API ---------------------------------------------------------------------------------
+    def plan(
+        self,
+        workload: str,
+        effective_batch: int,
+        world_size: int = 1,
+        policy: Policy | str = Policy.FEWEST_STEPS,
+        *,
+        device: str | None = None,
+        memory: int | str | None = None,
+        headroom: float | str | None = None,
+        precision: str | None = None,
+        optimizer: str | None = None,
+        timeout: float = 900.0,
+        fallback: Fallback = "error",
+    ) -> Plan:
+        """The plan for `effective_batch` samples per optimizer step over `world_size` ranks.
+
+        Waits up to `timeout` seconds for a probe the service runs. Raises AuthError,
+        ServiceError, ServiceUnavailableError, or the ProbeError the probe failed with."""
+        if fallback not in ("local", "error"):
+            raise errors.ConfigError(f"fallback must be 'local' or 'error', not {fallback!r}")
+        policy = _policy(policy)
+        params: dict[str, Any] = {"workload": workload, "effective_batch": effective_batch, "world_size": world_size}
+        params["policy"] = policy.value
+        options = {"device": device, "memory": memory, "headroom": headroom, "precision": precision}
+        params.update({k: v for k, v in {**options, "optimizer": optimizer}.items() if v is not None})
+        try:
+            made = self._plan_from_service(params, timeout)
+        except _Unreachable as exc:
+            if fallback == "error":
+                raise
+            log.warning("autotune service unavailable (%s): probing %s in this job", exc, workload)
+            made = self._local_plan(workload, effective_batch, world_size, policy, options, optimizer)
+            self.last_source = "local"
+            return made
+        self.last_source = "service"
+        return made
+
+    def probe(
+        self,
+        workload: str,
+        *,
+        device: str | None = None,
+        memory: int | str | None = None,
+        headroom: float | str | None = None,
+        budget: str | None = None,
+        precision: str | None = None,
+        optimizer: str | None = None,
+        refresh: bool = False,
+        timeout: float = 900.0,
+    ) -> ProbeResult:
+        """Ask the service to probe `workload` (or return its stored result) and wait for it."""
+        body = {
+            k: v
+            for k, v in {
+                "workload": workload,
+                "device": device,
+                "memory": memory,
+                "headroom": headroom,
+                "budget": budget,
+                "precision": precision,
+                "optimizer": optimizer,
+            }.items()
+            if v is not None
+        }
+        body["refresh"] = refresh
+        deadline = time.monotonic() + timeout
+        answer = self._json(self._send("POST", "/v1/probes", json=body))
+        delay = self._backoff
+        while answer.get("status") in ("queued", "running"):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise errors.ServiceUnavailableError(
+                    f"probe {answer.get('id')} is still {answer.get('status')} after {timeout:g} s: "
+                    "ask again later with a longer timeout"
+                )
+            self._sleep(min(delay, remaining))
+            delay = min(delay * 2, self._max_backoff)
+            answer = self._json(self._send("GET", f"/v1/probes/{answer['id']}"))
+        if answer.get("status") == "failed":
+            raise _probe_error(answer)
+        return ProbeResult.model_validate(answer["result"])
+
+    def publish(self, result: ProbeResult) -> str:
+        """Store `result` on the service (`POST /v1/results`); returns its fingerprint."""
+        answer = self._json(self._send("POST", "/v1/results", json=result.model_dump(mode="json")))
+        return str(answer["fingerprint"])
+
+    def workloads(self) -> list[dict[str, Any]]:
+        answer = self._send("GET", "/v1/workloads").json()
+        return list(answer)
+
+    def devices(self) -> dict[str, Any]:
+        return self._json(self._send("GET", "/v1/devices"))
+
+    # Internals -------------------------------------------------------------------------------
+    def _plan_from_service(self, params: dict[str, Any], timeout: float) -> Plan:
+        deadline = time.monotonic() + timeout
+        delay = self._backoff
+        while True:
+            remaining = max(0.0, deadline - time.monotonic())
+            wait = round(min(remaining, MAX_WAIT), 1)
+            response = self._send("GET", "/v1/plan", params={**params, "wait": wait}, extra_timeout=wait)
+            answer = self._json(response)
+            if response.status_code == 200:
+                return Plan.model_validate(answer["plan"])
+            if response.status_code == 409:
+                raise _probe_error(answer.get("probe") or {}, answer.get("detail"))
+            probe = answer.get("probe") or {}
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise errors.ServiceUnavailableError(
+                    f"no plan after {timeout:g} s: the service's probe {probe.get('id')} is still "
+                    f"{probe.get('status')}; ask again later or raise the timeout"
+                )
+            self._sleep(min(delay, remaining))
+            delay = min(delay * 2, self._max_backoff)
+
+    def _local_plan(
+        self,
+        workload: str,
+        effective_batch: int,
+        world_size: int,
+        policy: Policy,
+        options: dict[str, Any],
+        optimizer: str | None,
+    ) -> Plan:
+        from autotune.isolation import run_isolated
+        from autotune.plan import plan
+        from autotune.probe import ProbeRequest
+        from autotune.registry import load_registry
+        from autotune.settings import get_settings
+
+        settings = get_settings()
+        entry = load_registry(self._workloads_file or settings.workloads).get(workload)
+        try:
+            request = ProbeRequest(
+                target=entry.target,
+                options=dict(entry.options),
+                device=options["device"],
+                memory=options["memory"],
+                headroom=options["headroom"],
+                precision=options["precision"],
+                optimizer=optimizer,  # type: ignore[arg-type]  # validated by ProbeRequest
+                steps=entry.steps,
+                max_batch=entry.max_batch,
+                granularity=entry.granularity,
+            )
+        except ValueError as exc:  # pydantic's ValidationError
+            raise errors.ConfigError(f"cannot probe {workload!r} locally: {exc}") from None
+        result = run_isolated(request, settings.probe_timeout)
+        return plan(effective_batch, result.max_micro_batch, world_size, policy)
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: dict[str, Any] | None = None,
+        json: Any = None,
+        extra_timeout: float = 0.0,
+    ) -> httpx.Response:
+        """One request, retried with backoff while the service is unreachable or answers 502-504.
+        Returns 2xx and 409 answers; raises ours for the rest."""
+        delay = self._backoff
+        for attempt in range(self._retries + 1):
+            last = attempt == self._retries
+            try:
+                response = self._http.request(
+                    method, path, params=params, json=json, timeout=self._request_timeout + extra_timeout
+                )
+            except httpx.TransportError as exc:  # connect, read, timeouts, protocol errors
+                if last:
+                    raise _Unreachable(
+                        f"cannot reach the autotune service at {self.base_url}: {type(exc).__name__}: {exc}"
+                    ) from None
+            else:
+                if response.status_code not in (502, 503, 504) or last:
+                    return _check(response)
+            self._sleep(delay)
+            delay = min(delay * 2, self._max_backoff)
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _json(response: httpx.Response) -> dict[str, Any]:
+        try:
+            answer = response.json()
+        except ValueError:
+            raise errors.ServiceError(
+                f"the service answered {response.status_code} with a body that is not JSON",
+                status_code=response.status_code,
+            ) from None
+        if not isinstance(answer, dict):
+            raise errors.ServiceError("the service answered with unexpected JSON", status_code=response.status_code)
+        return answer
+
+
+def _check(response: httpx.Response) -> httpx.Response:
+    code = response.status_code
+    if code < 300 or code == 409:
+        return response
+    detail = _detail(response)
+    if code == 401:
+        raise errors.AuthError(
+            f"the autotune service refused the token: {detail} (set AUTOTUNE_TOKEN or pass token=)", status_code=code
+        )
+    if code >= 500:
+        raise _Unreachable(f"the autotune service answered {code}: {detail}", status_code=code)
+    raise errors.ServiceError(f"the autotune service answered {code}: {detail}", status_code=code)
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:200] or response.reason_phrase
+    detail = body.get("detail") if isinstance(body, dict) else body
+    if isinstance(detail, list):
+        parts = []
+        for item in detail[:5]:
+            if isinstance(item, dict):
+                where = ".".join(str(p) for p in item.get("loc", []))
+                parts.append(f"{where}: {item.get('msg')}" if where else str(item.get("msg")))
+            else:
+                parts.append(str(item))
+        return "; ".join(parts)
+    return str(detail)[:500]
+
+
+def _probe_error(probe: dict[str, Any], detail: str | None = None) -> errors.AutotuneError:
+    error = probe.get("error") or {}
+    message = error.get("message") or detail or "the probe failed"
+    kind = str(error.get("type", ""))
+    text = f"the service's probe {probe.get('id')} failed: {message}"
+    if kind == "NothingFitsError":
+        return errors.NothingFitsError(text, peak_bytes=None, limit_bytes=0)
+    if kind == "NotAnOOMError":
+        return errors.NotAnOOMError(text, batch=0, original=message)
+    return _PROBE_ERRORS.get(kind, errors.ProbeError)(text)
+
+
+def _policy(policy: Policy | str) -> Policy:
+    try:
+        return Policy(policy)
+    except ValueError:
+        raise errors.PlanError(f"unknown policy {policy!r}: choose fewest-steps or exact") from None
+
+
+def publish_result(url: str, result: ProbeResult, token: str | None = None) -> str:
+    """`autotune probe --publish URL`: store `result` on the service at `url`."""
+    with AutotuneClient(url, token=token) as client:
+        return client.publish(result)

@@ -1,0 +1,239 @@
+"""Test support for the service: a real `autotune serve` in a subprocess on 127.0.0.1, and
+synthetic probe results.
+
+Every wait here is a bounded loop: a server that does not come up, a probe that does not finish,
+a process that does not die fails the test with the server's log rather than hanging it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from autotune.results import DeviceInfo, ProbeResult, TrialRecord, Versions, WorkloadRef
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# `tiny` probes in ~1 s of trials (plus ~2 s to spawn the child): five trials up to its cap.
+# `nofit` cannot fit batch 1 in the default 4 MiB budget device: its probe fails fast.
+WORKLOADS_TOML = """\
+[workloads.tiny]
+target = "mlp"
+description = "a tiny MLP for tests"
+options = { in_features = 64, hidden = 64, layers = 1, classes = 10 }
+max_batch = 16
+
+[workloads.nofit]
+target = "cnn"
+description = "a CNN whose batch 1 does not fit in 4 MiB"
+options = { image_size = 256, channels = 8 }
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen[bytes]
+    db: Path
+    log: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    def client(self, token: str | None = None, timeout: float = 30.0) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def children(self) -> list[int]:
+        """Processes whose parent is the server (the probe child while a probe runs)."""
+        return children_of(self.process.pid)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=10)
+            raise AssertionError(f"server did not stop within {timeout} s after {sig}:\n{self.output()}") from None
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            stat = (entry / "stat").read_text()
+            # pid (comm) state ppid ...: comm may hold spaces, so split after the last ')'
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2 :].split()[0] != "Z"
+
+
+def start_server(
+    directory: Path,
+    *,
+    token: str | None = None,
+    db: Path | None = None,
+    workloads: str = WORKLOADS_TOML,
+    env: dict[str, str] | None = None,
+    startup_timeout: float = 60.0,
+) -> Server:
+    directory.mkdir(parents=True, exist_ok=True)
+    workloads_file = directory / "workloads.toml"
+    workloads_file.write_text(workloads)
+    db = db or directory / "autotune.db"
+    port = free_port()
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
+    child_env.update(
+        {
+            "AUTOTUNE_DB": str(db),
+            "AUTOTUNE_WORKLOADS": str(workloads_file),
+            "AUTOTUNE_CPU_MEMORY": "4MiB",
+            "AUTOTUNE_PROBE_TIMEOUT": "120",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    if token is not None:
+        child_env["AUTOTUNE_TOKEN"] = token
+    child_env.update(env or {})
+    log = directory / f"server-{port}.log"
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "autotune.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+            cwd=ROOT,
+            env=child_env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+    server = Server(url=f"http://127.0.0.1:{port}", process=process, db=db, log=log, env=child_env)
+    deadline = time.monotonic() + startup_timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"server exited with {process.returncode}:\n{server.output()}")
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{server.url}/healthz", timeout=1.0).status_code == 200:
+                return server
+        time.sleep(0.1)
+    server.stop(signal.SIGKILL)
+    raise AssertionError(f"server did not answer /healthz within {startup_timeout} s:\n{server.output()}")
+
+
+@contextlib.contextmanager
+def running_server(directory: Path, **kwargs: Any) -> Iterator[Server]:
+    server = start_server(directory, **kwargs)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def wait_for(
+    check: Callable[[], Any], timeout: float, what: str, server: Server | None = None, interval: float = 0.05
+) -> Any:
+    """Call `check` until it returns something truthy, at most `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(interval)
+    log = f"\nserver log:\n{server.output()}" if server else ""
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}{log}")
+
+
+def finished_probe(client: httpx.Client, probe_id: str, timeout: float = 60.0) -> dict[str, Any]:
+    def done() -> dict[str, Any] | None:
+        view = client.get(f"/v1/probes/{probe_id}").json()
+        return view if view["status"] in ("succeeded", "failed") else None
+
+    result: dict[str, Any] = wait_for(done, timeout, f"probe {probe_id} to finish", interval=0.1)
+    return result
+
+
+def metric(client: httpx.Client, name: str, labels: str = "") -> float:
+    """One sample of /metrics, e.g. metric(c, "autotune_probes_total", 'outcome="succeeded"')."""
+    wanted = f"{name}{{{labels}}}" if labels else name
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("#"):
+            continue
+        sample, _, value = line.rpartition(" ")
+        if sample == wanted:
+            return float(value)
+    return 0.0
+
+
+def make_result(
+    *,
+    target: str = "mlp",
+    options: dict[str, Any] | None = None,
+    max_micro_batch: int = 12,
+    fingerprint: str = "ab" * 32,
+    total_bytes: int = 4 * 2**20,
+    headroom_bytes: int = 209715,
+    device_kind: str = "cpu-budget",
+    device_name: str | None = None,
+    **overrides: Any,
+) -> ProbeResult:
+    """A result as a probe on the budget device would report it (its search's guarantees hold)."""
+    trials = [
+        TrialRecord(batch=b, fits=True, peak_allocated_bytes=b * 1000, peak_reserved_bytes=b * 1000, seconds=0.1)
+        for b in (1, 2, 4, 8)
+        if b < max_micro_batch
+    ]
+    trials.append(TrialRecord(batch=max_micro_batch, fits=True, seconds=0.1, step_seconds=0.05))
+    trials.append(TrialRecord(batch=max_micro_batch + 1, fits=False, seconds=0.1, oom_message="out of memory"))
+    document: dict[str, Any] = dict(
+        fingerprint=fingerprint,
+        workload=WorkloadRef(
+            target=target,
+            options=options if options is not None else {"in_features": 64, "hidden": 64, "layers": 1, "classes": 10},
+            precision="fp32",
+            optimizer="adamw",
+            steps=2,
+        ),
+        device=DeviceInfo(
+            kind=device_kind,  # type: ignore[arg-type]
+            name=device_name or f"CPU budget device ({total_bytes / 2**20:.1f} MiB)",
+            total_bytes=total_bytes,
+        ),
+        budget_policy="memory",
+        budget_bytes=total_bytes,
+        headroom_bytes=headroom_bytes,
+        limit_bytes=total_bytes - headroom_bytes,
+        max_micro_batch=max_micro_batch,
+        capped=False,
+        trials=trials,
+        versions=Versions(autotune="0.1.0", torch="2.13.0", cuda=None, python="3.11"),
+    )
+    document.update(overrides)
+    return ProbeResult(**document)
