@@ -8,7 +8,8 @@
 
 FastAPI's own 422 handler passes each error's `input` through `jsonable_encoder`, which fails on
 bytes that are not UTF-8 and on NaN, turning a bad request into a 500; ours makes every input
-printable first.
+printable first. FastAPI answers 400 for a body it cannot decode (not UTF-8); that is invalid
+input too, so it becomes a 422 in the same format.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import math
 from typing import Any
 
 from fastapi import FastAPI, Request, status
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
 from autotune.errors import AutotuneError, ConfigError, DeviceError
 from autotune.registry import UnknownWorkloadError
@@ -71,6 +74,14 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": _validation_details(exc)}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
 
 
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == status.HTTP_400_BAD_REQUEST:
+        detail = [{"type": "body_invalid", "loc": ["body"], "msg": str(exc.detail), "input": None}]
+        return JSONResponse({"detail": detail}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+    return await http_exception_handler(request, exc)
+
+
 def _status(exc: AutotuneError) -> int:
     if isinstance(exc, UnknownWorkloadError | NotFoundError):
         return status.HTTP_404_NOT_FOUND
@@ -91,4 +102,5 @@ async def _autotune_error(request: Request, exc: Exception) -> JSONResponse:
 
 def install(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(AutotuneError, _autotune_error)

@@ -150,11 +150,15 @@ def start_server(
 
 @contextlib.contextmanager
 def running_server(directory: Path, **kwargs: Any) -> Iterator[Server]:
+    """A server for the block; afterwards its log must hold no traceback (no request, however
+    bad, may make the server fail)."""
     server = start_server(directory, **kwargs)
     try:
         yield server
     finally:
         server.stop()
+    output = server.output()
+    assert "Traceback" not in output, output
 
 
 def wait_for(

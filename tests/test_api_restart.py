@@ -1,0 +1,88 @@
+"""Persistence: kill -9 mid-probe, restart on the same database: stored results are intact, the
+interrupted probe is marked failed and can be asked for again. A graceful stop mid-probe ends the
+probe child too."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import httpx
+
+from tests.serving import Server, alive, finished_probe, metric, start_server, wait_for
+
+SLOW = {"workload": "gpt", "memory": "128MiB"}  # several seconds of trials on the budget device
+
+
+def _running_with_a_trial(server: Server, client: httpx.Client, probe_id: str) -> dict[str, object]:
+    def check() -> dict[str, object] | None:
+        view = client.get(f"/v1/probes/{probe_id}").json()
+        assert view["status"] in ("queued", "running"), view
+        return view if view["status"] == "running" and view["trials"] else None
+
+    found: dict[str, object] = wait_for(check, 60, "the slow probe to report a trial", server)
+    return found
+
+
+def _probe_children(server: Server) -> list[int]:
+    found: list[int] = wait_for(server.children, 10, "the probe child process", server)
+    return found
+
+
+def test_kill_9_mid_probe_then_restart(tmp_path: Path) -> None:
+    first = start_server(tmp_path / "first", db=tmp_path / "autotune.db")
+    try:
+        with first.client() as client:
+            done = client.post("/v1/probes", json={"workload": "tiny"}).json()
+            stored = finished_probe(client, done["id"])
+            assert stored["status"] == "succeeded"
+            fingerprint = stored["result"]["fingerprint"]
+
+            slow = client.post("/v1/probes", json=SLOW).json()
+            _running_with_a_trial(first, client, slow["id"])
+            children = _probe_children(first)
+    finally:
+        first.process.send_signal(signal.SIGKILL)
+        first.process.wait(timeout=10)
+    # The probe child notices its parent is gone and exits: no orphan keeps probing.
+    wait_for(lambda: not any(alive(pid) for pid in children), 15, f"probe children {children} to exit")
+
+    second = start_server(tmp_path / "second", db=tmp_path / "autotune.db")
+    try:
+        with second.client() as client:
+            view = client.get(f"/v1/probes/{slow['id']}").json()
+            assert view["status"] == "failed"
+            assert view["error"]["type"] == "Interrupted"
+            assert "ask for it again" in view["error"]["message"]
+            assert len(view["trials"]) >= 1  # what it reported before the crash is kept
+            assert metric(client, "autotune_probes_total", 'outcome="interrupted"') == 1
+
+            # The stored result survived and answers at once, without a probe.
+            plan = client.get("/v1/plan", params={"workload": "tiny", "effective_batch": 32})
+            assert plan.status_code == 200
+            assert plan.json()["fingerprint"] == fingerprint
+            assert client.get(f"/v1/results/{fingerprint}").status_code == 200
+            assert metric(client, "autotune_probes_started_total", 'device="cpu"') == 0
+
+            # The interrupted probe can be asked for again: a new job.
+            again = client.post("/v1/probes", json=SLOW)
+            assert again.status_code == 202
+            assert again.json()["id"] != slow["id"]
+            _running_with_a_trial(second, client, again.json()["id"])
+            children = _probe_children(second)
+    finally:
+        code = second.stop(signal.SIGTERM, timeout=20)  # graceful: must not wait for the probe
+    # uvicorn finishes its shutdown, then re-raises the signal it caught: exit status -SIGTERM.
+    assert code in (0, -signal.SIGTERM), second.output()
+    assert "Application shutdown complete" in second.output()
+    wait_for(lambda: not any(alive(pid) for pid in children), 15, f"probe children {children} to exit")
+
+    third = start_server(tmp_path / "third", db=tmp_path / "autotune.db")
+    try:
+        with third.client() as client:
+            view = client.get(f"/v1/probes/{again.json()['id']}").json()
+            assert view["status"] == "failed"
+            assert view["error"]["type"] == "Interrupted"
+            assert client.get("/v1/plan", params={"workload": "tiny", "effective_batch": 32}).status_code == 200
+    finally:
+        third.stop()
