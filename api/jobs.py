@@ -39,9 +39,12 @@ log = logging.getLogger(__name__)
 Runner = Callable[[ProbeRequest, float, Callable[[TrialRecord], None]], ProbeResult]
 
 # Failures that another probe of the same request would repeat; plan queries answer them from
-# memory for a while instead of starting probe after probe. Time-dependent ones (a busy GPU, a
-# timeout, a crash) are not remembered.
-DETERMINISTIC = frozenset({"NothingFitsError", "NotAnOOMError", "ConfigError", "WorkloadError", "PlanError"})
+# memory for a while instead of starting probe after probe (DeviceError included: a service
+# without CUDA access, such as one given NVML only, cannot probe a GPU however often it is asked).
+# Time-dependent ones (a busy GPU, a timeout, a crash) are not remembered.
+DETERMINISTIC = frozenset(
+    {"NothingFitsError", "NotAnOOMError", "ConfigError", "WorkloadError", "PlanError", "DeviceError"}
+)
 FAILURE_MEMORY_SECONDS = 300.0
 
 

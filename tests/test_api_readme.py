@@ -1,0 +1,96 @@
+"""The README's "The service" section, run as written: the curl session against a real server,
+then the client in a training loop against a restarted one, the workloads file and the table of
+AUTOTUNE_* variables.
+
+The session runs as one bash script. Two things are changed, and only these: port 8000 becomes a
+free port, and /tmp/autotune.db a temporary file; a final `wait` lets the server finish its
+shutdown after `kill %1`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autotune.registry import load_registry
+from autotune.settings import Settings
+from tests.serving import ROOT, free_port, metric, start_server
+
+SECTION = re.search(r"^## The service\n(.*?)(?=^## )", (ROOT / "README.md").read_text(), re.S | re.M)
+assert SECTION, "README has no section 'The service'"
+TEXT = SECTION.group(1)
+TOKEN = "change-me"
+
+
+def _blocks(kind: str) -> list[str]:
+    return re.findall(rf"```{kind}\n(.*?)```", TEXT, re.S)
+
+
+def _session() -> tuple[list[str], list[str]]:
+    """The `$ ` commands of the console block, and the output lines shown after them."""
+    (block,) = _blocks("console")
+    lines = block.splitlines()
+    return [line[2:] for line in lines if line.startswith("$ ")], [line for line in lines if not line.startswith("$ ")]
+
+
+def test_the_curl_session_then_the_client_in_a_training_loop(tmp_path: Path) -> None:
+    commands, shown = _session()
+    port, db = free_port(), tmp_path / "autotune.db"
+    script = "\n".join(
+        ["set -e", *(c.replace("8000", str(port)).replace("/tmp/autotune.db", str(db)) for c in commands), "wait"]
+    )
+    assert f"localhost:{port}" in script and str(db) in script
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    done = subprocess.run(
+        ["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    # Each output line shown in the README appears in the real output, apart from what it
+    # elides (…) and the ids and fingerprints (hex) that differ from run to run.
+    for line in shown:
+        for fragment in re.split(r"…|[0-9a-f]{8,}", line):
+            assert fragment in done.stdout, f"{fragment!r} (README) not in the output:\n{done.stdout}"
+    assert "Traceback" not in done.stderr, done.stderr
+
+    # The result the session stored answers the training job's query after a restart: no probe.
+    (snippet,) = [b for b in _blocks("python") if "AutotuneClient" in b]
+    server = start_server(tmp_path / "restarted", db=db, token=TOKEN)
+    try:
+        job_env = {**env, "AUTOTUNE_URL": server.url, "AUTOTUNE_TOKEN": TOKEN}
+        job = subprocess.run(
+            [sys.executable, "-c", snippet], cwd=ROOT, env=job_env, capture_output=True, text=True, timeout=300
+        )
+        assert job.returncode == 0, job.stderr
+        assert "micro-steps of [6, 6, 5, 5, 5, 5] samples" in job.stdout
+        assert "last loss" in job.stdout
+        with server.client() as client:
+            assert metric(client, "autotune_probes_started_total", 'device="cpu"') == 0
+            assert metric(client, "autotune_plan_cache_hits_total") == 1
+    finally:
+        server.stop()
+
+
+def test_the_workloads_file_example_registers(tmp_path: Path) -> None:
+    (toml,) = _blocks("toml")
+    path = tmp_path / "workloads.toml"
+    path.write_text(toml)
+    registry = load_registry(path)
+    entry = registry.get("gpt-small")
+    assert (entry.target, entry.options, entry.max_batch, entry.granularity) == (
+        "gpt",
+        {"layers": 2, "seq_len": 64},
+        4096,
+        8,
+    )
+    assert {"mlp", "cnn", "gpt"} <= set(registry.names())
+
+
+@pytest.mark.parametrize("name", sorted(Settings.model_fields))
+def test_every_setting_is_in_the_table(name: str) -> None:
+    assert f"| `AUTOTUNE_{name.upper()}` |" in TEXT
