@@ -41,6 +41,10 @@ class _Counter:
         self.refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self.live = 0
         self.peak = 0
+        # When a list, every op appends ("op", name, live bytes after it) and every storage
+        # ("born", key, raw bytes) / ("died", key, counted bytes): the memory-curve predictor
+        # (autotune.predict) compares these across batch sizes.
+        self.timeline: list[tuple[str, int | str, int]] | None = None
 
     def add(self, storage: torch.UntypedStorage) -> None:
         key = id(storage)
@@ -53,6 +57,10 @@ class _Counter:
                 return
             self.refs[key] = weakref.ref(storage, functools.partial(self._on_death, key))
             old = 0
+        if self.timeline is not None:
+            if old:
+                self.timeline.append(("died", key, old))
+            self.timeline.append(("born", key, storage.nbytes()))
         # A storage can grow in place (resize_ through an `out=` op): count the difference.
         self.sizes[key] = size
         self.live += size - old
@@ -66,6 +74,8 @@ class _Counter:
         size = self.sizes.pop(key, 0)
         self.refs.pop(key, None)
         self.live -= size
+        if self.timeline is not None and size:
+            self.timeline.append(("died", key, size))
 
 
 class BudgetDevice:
@@ -106,6 +116,16 @@ class BudgetDevice:
         """CPU ops are synchronous."""
 
     @contextmanager
+    def record_timeline(self) -> Iterator[list[tuple[str, int | str, int]]]:
+        """Record every op (name, live bytes after it) and every storage's birth and death."""
+        timeline: list[tuple[str, int | str, int]] = []
+        self._counter.timeline = timeline
+        try:
+            yield timeline
+        finally:
+            self._counter.timeline = None
+
+    @contextmanager
     def active(self) -> Iterator[None]:
         """Count and enforce the limit for every op run inside this block."""
         with _BudgetMode(self._counter, self.limit_bytes):
@@ -136,6 +156,8 @@ class _BudgetMode(TorchDispatchMode):
         for value in outputs:
             if isinstance(value, torch.Tensor):
                 counter.add(value.untyped_storage())
+        if counter.timeline is not None:
+            counter.timeline.append(("op", str(func), counter.live))
         if counter.live > self.limit:
             asked = counter.live - before
             live = counter.live

@@ -18,9 +18,11 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from autotune import __version__, fingerprint, gpu, nvml
 from autotune.budget import BudgetDevice
 from autotune.errors import ConfigError, InsufficientMemoryError
+from autotune.objective import time_and_choose
 from autotune.plan import Plan, Policy, plan
+from autotune.predict import predicted_search
 from autotune.results import DeviceInfo, ProbeResult, TrialRecord, Versions, WorkloadRef
-from autotune.search import SearchOutcome, search
+from autotune.search import search
 from autotune.settings import get_settings
 from autotune.trial import ProbeDevice, TrialRunner
 from autotune.units import format_bytes, parse_headroom, parse_size
@@ -48,6 +50,12 @@ class ProbeRequest(BaseModel):
     world_size: int = Field(default=1, ge=1)
     policy: Policy = Policy.FEWEST_STEPS
     min_free_memory: int | None = Field(default=None, ge=0)
+    search: Literal["plain", "predict"] = Field(
+        default="predict", description="predict: two timeline trials predict the answer, two verify it."
+    )
+    objective: Literal["memory", "throughput"] = Field(
+        default="memory", description="throughput: plan the fitting micro-batch with the least time per step."
+    )
 
     @field_validator("memory", "min_free_memory", mode="before")
     @classmethod
@@ -187,16 +195,40 @@ def run_probe(request: ProbeRequest, on_trial: TrialCallback | None = None) -> P
             on_trial(record)
         return record
 
-    outcome: SearchOutcome = search(
-        trial,
-        start=request.start_batch,
-        cap=request.max_batch,
-        granularity=request.granularity,
-        limit_bytes=device.limit_bytes,
-    )
+    prediction = None
+    if request.search == "predict":
+        predicted = predicted_search(
+            trial,
+            device,
+            start=request.start_batch,
+            cap=request.max_batch,
+            granularity=request.granularity,
+            limit_bytes=device.limit_bytes,
+        )
+        outcome, prediction = predicted.outcome, predicted.prediction
+    else:
+        outcome = search(
+            trial,
+            start=request.start_batch,
+            cap=request.max_batch,
+            granularity=request.granularity,
+            limit_bytes=device.limit_bytes,
+        )
+    throughput = None
+    if request.objective == "throughput":
+        throughput = time_and_choose(
+            trial,
+            outcome.trials,
+            outcome.max_micro_batch,
+            request.granularity,
+            request.effective_batch,
+            request.world_size,
+            request.policy,
+        )
+    micro_batch = throughput.micro_batch if throughput is not None else outcome.max_micro_batch
     result_plan: Plan | None = None
     if request.effective_batch is not None:
-        result_plan = plan(request.effective_batch, outcome.max_micro_batch, request.world_size, request.policy)
+        result_plan = plan(request.effective_batch, micro_batch, request.world_size, request.policy)
     return ProbeResult(
         fingerprint=key,
         workload=WorkloadRef(
@@ -215,7 +247,10 @@ def run_probe(request: ProbeRequest, on_trial: TrialCallback | None = None) -> P
         capped=outcome.capped,
         max_batch_cap=request.max_batch,
         granularity=request.granularity,
-        search="plain",
+        search=request.search,
+        prediction=prediction,
+        objective=request.objective,
+        throughput=throughput,
         trials=outcome.trials,
         plan=result_plan,
         allocator_config=gpu.allocator_config(),

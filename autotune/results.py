@@ -72,13 +72,51 @@ class Versions(BaseModel):
     python: str
 
 
+class CurvePoint(BaseModel):
+    """One point of the predicted peak-memory curve."""
+
+    batch: int
+    peak_bytes: int
+
+
 class Prediction(BaseModel):
     """What the memory-curve predictor expected before the verifying trials ran."""
 
     predicted_max_micro_batch: int | None
     probe_batches: list[int]
+    probe_trials: int = Field(
+        default=0,
+        description="The first `probe_trials` entries of the result's trials recorded the timelines; "
+        "they are real trials and count in the trial count.",
+    )
     exact: bool | None = Field(default=None, description="Whether the verified answer equals the prediction.")
     fallback_reason: str | None = None
+    curve: list[CurvePoint] = Field(default_factory=list, description="Predicted peak bytes by batch size.")
+
+
+class ThroughputCandidate(BaseModel):
+    """One fitting, timed micro-batch the throughput objective considered."""
+
+    micro_batch: int
+    step_seconds: float = Field(description="Steady-state step time measured by its trial.")
+    samples_per_second: float
+    accumulation_steps: int | None = Field(default=None, description="Steps of the plan, with an effective batch.")
+    seconds: float = Field(description="Cost compared: seconds per optimizer step, or per sample without a plan.")
+
+
+class ThroughputChoice(BaseModel):
+    """The micro-batch `--objective throughput` chose: least time per optimizer step (accumulation
+    steps × step time) for the planned effective batch, or most samples per second without one."""
+
+    micro_batch: int
+    basis: Literal["optimizer-step", "sample"]
+    seconds: float
+    largest_micro_batch: int = Field(description="The largest fitting micro-batch that was timed.")
+    largest_seconds: float
+    largest_slowdown: float = Field(
+        description="How much slower the largest-that-fits choice is: largest_seconds / seconds - 1."
+    )
+    candidates: list[ThroughputCandidate]
 
 
 class ProbeResult(BaseModel):
@@ -98,6 +136,8 @@ class ProbeResult(BaseModel):
     granularity: int = 1
     search: Literal["plain", "predict"] = "plain"
     prediction: Prediction | None = None
+    objective: Literal["memory", "throughput"] = "memory"
+    throughput: ThroughputChoice | None = None
     trials: list[TrialRecord]
     plan: Plan | None = None
     allocator_config: str | None = None

@@ -32,7 +32,8 @@ def test_isolated_probe_matches_in_process_and_streams_trials() -> None:
 def test_a_segfault_is_a_failed_probe_with_the_signal() -> None:
     seen: list[TrialRecord] = []
     with pytest.raises(ProbeCrashedError, match=r"killed by SIGSEGV after 2 trial\(s\)"):
-        run_isolated(_request("tests.workloads:segfault"), timeout=120, on_trial=seen.append)
+        # The plain search's order (1, 2, 4) is what makes "after 2 trials" certain.
+        run_isolated(_request("tests.workloads:segfault", search="plain"), timeout=120, on_trial=seen.append)
     assert [t.batch for t in seen] == [1, 2]
 
 

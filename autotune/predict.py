@@ -1,0 +1,404 @@
+"""The memory-curve predictor: two small trials predict the answer, two more verify it.
+
+The peak memory of a training step is not affine in the batch size (the peak moves between
+forward, backward and the optimizer step), but the live bytes after each individual op are. So we
+record the live-bytes timeline of a whole trial (the same steps a trial runs) at two small batch
+sizes p < q, check both ran the same op sequence, and predict
+
+    peak(B) = max over ops t of (a_t + b_t·B)
+
+then hand the largest B with peak(B) <= limit to `search.search_from_guess`, which verifies it
+for real (B fits, B + granularity does not) and brackets from it when the prediction misses.
+The answer keeps every guarantee of the plain search.
+
+On the budget device the timeline also carries each storage's birth, death and raw size, so the
+model can round every storage to the allocator's 512-byte blocks at the predicted size instead of
+extrapolating rounded sums (which is off by a block or two for models whose per-sample tensors
+are small, e.g. integer targets). On CUDA a dispatch mode reads `torch.cuda.memory_allocated()`
+after each op, and the limit is scaled by the allocated/reserved ratio the probes measured,
+because the cap on CUDA applies to reserved memory.
+
+The timeline trials are real trials: they run the same steps under the same limit, so they are
+reported first in the result's trial list, counted in the trial count (`Prediction.probe_trials`
+says how many), and reused when the verification asks for the same size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autotune.budget import ROUNDING
+from autotune.errors import NothingFitsError
+from autotune.results import CurvePoint, Prediction, TrialRecord
+from autotune.search import SearchOutcome, TrialFn, search, search_from_guess
+from autotune.trial import ProbeDevice
+
+# Batch 1 can run a different op sequence (a squeezed dimension, a fast path), so the pair starts
+# at 2; the third size is the second pair's upper end when the first pair's sequences differ.
+PROBE_LADDER = (2, 4, 8)
+# Past this the model is not asked for more: memory that barely grows is as good as unbounded.
+MAX_PREDICTED_BATCH = 1 << 24
+CURVE_POINTS = 64
+
+Event = tuple[str, Any, int]
+
+
+# Timelines ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StorageLog:
+    """Each storage a trial created: the op index it was born at, died at (-1: still alive) and
+    its raw size; plus deaths of storages older than the trial (op index, counted bytes)."""
+
+    base: int
+    born_at: tuple[int, ...]
+    died_at: tuple[int, ...]
+    nbytes: tuple[int, ...]
+    older_deaths: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Live bytes after every op of one trial at one batch size."""
+
+    batch: int
+    ops: tuple[str, ...]
+    live: tuple[int, ...]
+    storages: StorageLog | None = None
+
+
+def parse_events(batch: int, base: int, events: Sequence[Event]) -> Timeline:
+    """Turn the budget device's event list into a Timeline (see `BudgetDevice.record_timeline`)."""
+    ops: list[str] = []
+    live: list[int] = []
+    born_at: list[int] = []
+    died_at: list[int] = []
+    nbytes: list[int] = []
+    older: list[tuple[int, int]] = []
+    serial_of: dict[int, int] = {}
+    for kind, what, value in events:
+        if kind == "op":
+            ops.append(str(what))
+            live.append(value)
+        elif kind == "born":
+            serial_of[what] = len(born_at)
+            born_at.append(len(ops))
+            died_at.append(-1)
+            nbytes.append(value)
+        elif kind == "died":
+            serial = serial_of.pop(what, None)
+            if serial is None:
+                older.append((len(ops), value))
+            else:
+                died_at[serial] = len(ops)
+    log = StorageLog(base, tuple(born_at), tuple(died_at), tuple(nbytes), tuple(older))
+    return Timeline(batch, tuple(ops), tuple(live), log)
+
+
+def same_ops(a: Timeline, b: Timeline) -> bool:
+    return a.ops == b.ops
+
+
+# Models ---------------------------------------------------------------------------------------
+class CurveModel(Protocol):
+    def peak(self, batch: int) -> int: ...
+
+
+@dataclass(frozen=True)
+class EnvelopeModel:
+    """peak(B) = max_t (a_t + b_t·B) from two timelines of the same op sequence."""
+
+    p: int
+    q: int
+    live_p: np.ndarray
+    live_q: np.ndarray
+
+    @classmethod
+    def fit(cls, a: Timeline, b: Timeline) -> EnvelopeModel:
+        return cls(a.batch, b.batch, np.asarray(a.live, dtype=np.int64), np.asarray(b.live, dtype=np.int64))
+
+    def peak(self, batch: int) -> int:
+        # live_p + (live_q - live_p)(B - p)/(q - p), rounded up: never under-predict a point.
+        num = self.live_p * (self.q - self.p) + (self.live_q - self.live_p) * (batch - self.p)
+        return int((-((-num) // (self.q - self.p))).max())
+
+    def largest(self, limit: int) -> int | None:
+        """Largest B >= 1 with peak(B) <= limit, 0 when none, None when memory does not grow."""
+        d = self.live_q - self.live_p
+        growing = d > 0
+        if not growing.any():
+            return None if self.peak(1) <= limit else 0
+        span = self.q - self.p
+        bounds = self.p + ((limit - self.live_p[growing]) * span) // d[growing]
+        largest = max(0, int(bounds.min()))
+        # An op whose memory does not grow can still be over the limit; smaller B cannot help it.
+        if largest and self.peak(largest) > limit:
+            return 0
+        return largest
+
+
+@dataclass(frozen=True)
+class StorageModel:
+    """Live bytes rebuilt storage by storage, each rounded to the allocator's block at size B.
+
+    Exact on the budget device when every storage's raw size is affine in the batch."""
+
+    p: int
+    q: int
+    ops: int
+    base: int
+    born_at: np.ndarray
+    died_at: np.ndarray
+    nbytes_p: np.ndarray
+    nbytes_q: np.ndarray
+    older_at: np.ndarray
+    older_bytes: np.ndarray
+
+    @classmethod
+    def fit(cls, a: Timeline, b: Timeline) -> StorageModel | None:
+        """None when the two trials' storages do not correspond one to one."""
+        la, lb = a.storages, b.storages
+        if la is None or lb is None or la.born_at != lb.born_at or la.died_at != lb.died_at:
+            return None
+        if la.base != lb.base or la.older_deaths != lb.older_deaths:
+            return None
+        older = la.older_deaths
+        model = cls(
+            a.batch,
+            b.batch,
+            len(a.ops),
+            la.base,
+            np.asarray(la.born_at, dtype=np.int64),
+            np.asarray(la.died_at, dtype=np.int64),
+            np.asarray(la.nbytes, dtype=np.int64),
+            np.asarray(lb.nbytes, dtype=np.int64),
+            np.asarray([i for i, _ in older], dtype=np.int64),
+            np.asarray([n for _, n in older], dtype=np.int64),
+        )
+        # The model must reproduce both recordings exactly, or it describes something else.
+        if model.timeline(a.batch).tolist() != list(a.live) or model.timeline(b.batch).tolist() != list(b.live):
+            return None
+        return model
+
+    def timeline(self, batch: int) -> np.ndarray:
+        span = self.q - self.p
+        raw = -((-(self.nbytes_p * span + (self.nbytes_q - self.nbytes_p) * (batch - self.p))) // span)
+        sizes = -((-np.maximum(raw, 0)) // ROUNDING) * ROUNDING
+        delta = np.zeros(self.ops + 1, dtype=np.int64)
+        np.add.at(delta, self.born_at, sizes)
+        dead = self.died_at >= 0
+        np.subtract.at(delta, self.died_at[dead], sizes[dead])
+        np.subtract.at(delta, self.older_at, self.older_bytes)
+        return self.base + np.cumsum(delta)[: self.ops]
+
+    def peak(self, batch: int) -> int:
+        return int(self.timeline(batch).max()) if self.ops else self.base
+
+
+def largest_fitting(model: CurveModel, limit: int, guess: int) -> int:
+    """The largest B >= 1 with model.peak(B) <= limit (0 when none), found from `guess` with the
+    same walk-and-bisect that verifies a guess on the device: the model is cheap to evaluate."""
+
+    def fits(batch: int) -> TrialRecord:
+        return TrialRecord(batch=batch, fits=model.peak(batch) <= limit, seconds=0.0)
+
+    try:
+        return search_from_guess(fits, max(1, guess), cap=MAX_PREDICTED_BATCH).max_micro_batch
+    except NothingFitsError:
+        return 0
+
+
+def curve(model: CurveModel, upto: int, points: int = CURVE_POINTS) -> list[CurvePoint]:
+    """The predicted peak at about `points` batch sizes from 1 to `upto`."""
+    upto = max(upto, 2)
+    sizes = sorted({1, upto, *np.unique(np.linspace(1, upto, points).round().astype(int)).tolist()})
+    return [CurvePoint(batch=b, peak_bytes=model.peak(b)) for b in sizes]
+
+
+def predict(a: Timeline, b: Timeline, limit: int, *, exact_storages: bool = True) -> tuple[int | None, CurveModel]:
+    """Largest predicted batch for two timelines of the same op sequence (None: unbounded)."""
+    envelope = EnvelopeModel.fit(a, b)
+    first = envelope.largest(limit)
+    storage = StorageModel.fit(a, b) if exact_storages else None
+    if storage is None:
+        return first, envelope
+    if first is None:
+        return None, storage
+    return largest_fitting(storage, limit, first), storage
+
+
+def reserve_ratio(records: Sequence[TrialRecord]) -> float:
+    """allocated/reserved at the largest fitting probe: on CUDA the cap is on reserved memory,
+    the timeline counts allocated bytes. 1.0 on the budget device (it has no cache)."""
+    fitting = [r for r in records if r.fits and r.peak_allocated_bytes and r.peak_reserved_bytes]
+    if not fitting:
+        return 1.0
+    top = max(fitting, key=lambda r: r.batch)
+    assert top.peak_allocated_bytes is not None and top.peak_reserved_bytes is not None
+    return min(1.0, top.peak_allocated_bytes / top.peak_reserved_bytes)
+
+
+# Recording on a device -------------------------------------------------------------------------
+class _AllocatedTimeline(TorchDispatchMode):
+    """CUDA: the allocator's live bytes after each op (it already counts every tensor)."""
+
+    def __init__(self, read: Callable[[], int], events: list[Event]) -> None:
+        super().__init__()
+        self.read = read
+        self.events = events
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.events.append(("op", str(func), self.read()))
+        return out
+
+
+@contextmanager
+def _cuda_timeline(device: ProbeDevice) -> Iterator[list[Event]]:
+    events: list[Event] = []
+    index = device.torch_device.index
+
+    def read() -> int:
+        return int(torch.cuda.memory_allocated(index))
+
+    with _AllocatedTimeline(read, events):
+        yield events
+
+
+def recording(device: ProbeDevice) -> AbstractContextManager[list[Event]]:
+    """Record a timeline of whatever runs in the block on `device`."""
+    record = getattr(device, "record_timeline", None)
+    if record is not None:
+        context: AbstractContextManager[list[Event]] = record()
+        return context
+    if device.kind == "cuda":
+        return _cuda_timeline(device)
+    raise ValueError(f"cannot record a memory timeline on a {device.kind} device")
+
+
+def record_trial(trial: TrialFn, device: ProbeDevice, batch: int) -> tuple[TrialRecord, Timeline | None]:
+    """Run one trial while recording its timeline; no timeline when it ran out of memory."""
+    base = device.live_bytes()
+    with recording(device) as events:
+        record = trial(batch)
+    if not record.fits:
+        return record, None
+    timeline = parse_events(batch, base, events)
+    if not any(kind in ("born", "died") for kind, _, _ in events):
+        timeline = Timeline(batch, timeline.ops, timeline.live, None)
+    return record, timeline
+
+
+# The predictor-seeded search -------------------------------------------------------------------
+@dataclass
+class PredictedOutcome:
+    outcome: SearchOutcome
+    prediction: Prediction
+
+
+def probe_ladder(granularity: int) -> tuple[int, ...]:
+    """Probe sizes that the search itself could try: multiples of the granularity, never 1."""
+    if granularity == 1:
+        return PROBE_LADDER
+    return tuple(granularity * k for k in (1, 2, 4))
+
+
+def predicted_search(
+    trial: TrialFn,
+    device: ProbeDevice,
+    *,
+    start: int = 1,
+    cap: int | None = None,
+    granularity: int = 1,
+    limit_bytes: int,
+) -> PredictedOutcome:
+    """Record timelines at two small sizes, predict, then verify with `search_from_guess`.
+
+    Falls back to the plain `search` (reporting why) when the cap is below the probe sizes, a
+    probe runs out of memory, or no pair of probes ran the same op sequence.
+    """
+    ladder = probe_ladder(granularity)
+    known: dict[int, TrialRecord] = {}
+    timelines: dict[int, Timeline] = {}
+    reason: str | None = None
+    pair: tuple[Timeline, Timeline] | None = None
+
+    def probe(batch: int) -> bool:
+        record, timeline = record_trial(trial, device, batch)
+        known[batch] = record
+        if timeline is not None:
+            timelines[batch] = timeline
+        return record.fits
+
+    if cap is not None and cap < ladder[1]:
+        reason = f"the cap {cap} is below the probe sizes {ladder[0]} and {ladder[1]}"
+    # The larger probe runs first: on CUDA the first trial also allocates lazily created
+    # workspaces, which must not pass for memory that grows with the batch.
+    elif not probe(ladder[1]) or not probe(ladder[0]):
+        failed = ladder[1] if not known[ladder[1]].fits else ladder[0]
+        reason = f"probe batch {failed} did not fit: the answer is smaller than the probes"
+    elif same_ops(timelines[ladder[0]], timelines[ladder[1]]):
+        pair = (timelines[ladder[0]], timelines[ladder[1]])
+    elif cap is not None and cap < ladder[2]:
+        reason = f"op sequences differ between batch {ladder[0]} and {ladder[1]}, and the cap is below {ladder[2]}"
+    elif not probe(ladder[2]):
+        reason = (
+            f"op sequences differ between batch {ladder[0]} and {ladder[1]}, and probe batch {ladder[2]} did not fit"
+        )
+    elif same_ops(timelines[ladder[1]], timelines[ladder[2]]):
+        pair = (timelines[ladder[1]], timelines[ladder[2]])
+    else:
+        reason = (
+            f"op sequences differ between batch {ladder[0]}, {ladder[1]} and {ladder[2]}: "
+            "the step depends on the batch size, so nothing can be extrapolated"
+        )
+
+    probes = list(known.values())
+
+    def cached(batch: int) -> TrialRecord:
+        return known[batch] if batch in known else trial(batch)
+
+    predicted: int | None = None
+    points: list[CurvePoint] = []
+    if pair is not None:
+        limit = int(limit_bytes * reserve_ratio(probes))
+        raw, model = predict(pair[0], pair[1], limit)
+        if raw is None and cap is None:
+            reason = "memory does not grow with the batch size: nothing to extrapolate"
+        else:
+            guess = raw if raw is not None else cap
+            assert guess is not None  # raw is None only with a cap here
+            if cap is not None:
+                guess = min(guess, cap)
+            predicted = guess // granularity * granularity
+            points = curve(model, max(2 * max(predicted, 1), max(known)))
+
+    if predicted is None:
+        outcome = search(cached, start=start, cap=cap, granularity=granularity, limit_bytes=limit_bytes)
+    else:
+        outcome = search_from_guess(
+            cached, max(predicted, granularity), cap=cap, granularity=granularity, limit_bytes=limit_bytes
+        )
+    fresh = [t for t in outcome.trials if all(t is not p for p in probes)]
+    outcome.trials = probes + fresh
+    prediction = Prediction(
+        predicted_max_micro_batch=predicted,
+        probe_batches=[t.batch for t in probes],
+        probe_trials=len(probes),
+        exact=None if predicted is None else predicted == outcome.max_micro_batch,
+        fallback_reason=reason,
+        curve=points,
+    )
+    return PredictedOutcome(outcome, prediction)

@@ -1,0 +1,46 @@
+"""Workloads whose op sequence depends on the batch size (used as tests.predict_workloads:NAME)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from autotune.workload import Workload
+
+
+class _Net(nn.Module):
+    def __init__(self, extra_ops: object) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+        self.extra_ops = extra_ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert callable(self.extra_ops)
+        for _ in range(self.extra_ops(x.shape[0])):
+            x = x * 1.0
+        return self.inner(x)
+
+
+def _workload(extra_ops: object) -> Workload:
+    return Workload(
+        name="branchy",
+        build_model=lambda: _Net(extra_ops),
+        make_batch=lambda b, device: torch.randn(b, 64, device=device),
+        loss=lambda model, x: model(x).square().mean(),
+        optimizer="adam",
+    )
+
+
+def plain() -> Workload:
+    """The same network with no branch: one op sequence at every size."""
+    return _workload(lambda b: 0)
+
+
+def branchy() -> Workload:
+    """One more op above batch 2: batch 2 and 4 differ, 4 and 8 agree."""
+    return _workload(lambda b: 1 if b > 2 else 0)
+
+
+def loopy() -> Workload:
+    """An op per bit of the batch size: 2, 4 and 8 all run different sequences."""
+    return _workload(lambda b: b.bit_length())

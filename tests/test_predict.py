@@ -1,0 +1,189 @@
+"""The memory-curve predictor: exact on the budget device, verified by real trials, and a plain
+search (with the reason) when the op sequence depends on the batch size."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autotune.budget import BudgetDevice
+from autotune.predict import EnvelopeModel, StorageModel, Timeline, predict, record_trial
+from autotune.probe import ProbeRequest, run_probe
+from autotune.results import ProbeResult
+from autotune.trial import TrialRunner
+from autotune.workload import resolve
+
+MIB = 2**20
+
+
+def _assert_verified(result: ProbeResult) -> None:
+    """The engine's guarantee, whatever the search: the answer fitted, one more did not."""
+    by_batch = {t.batch: t for t in result.trials}
+    assert len(by_batch) == len(result.trials), "a size was tried twice"
+    assert by_batch[result.max_micro_batch].fits
+    assert not by_batch[result.max_micro_batch + result.granularity].fits
+
+
+@pytest.mark.parametrize(("name", "mib"), [("gpt", 128), ("cnn", 64), ("mlp", 64)])
+def test_prediction_is_exact_on_the_budget_device_for_the_examples(name: str, mib: int) -> None:
+    result = run_probe(ProbeRequest(target=name, device="cpu", memory=mib * MIB))
+    assert result.search == "predict"
+    prediction = result.prediction
+    assert prediction is not None
+    assert prediction.fallback_reason is None
+    assert prediction.predicted_max_micro_batch == result.max_micro_batch
+    assert prediction.exact is True
+    _assert_verified(result)
+    # Two timeline trials (listed first, counted) and the two verifying trials: nothing else.
+    assert prediction.probe_trials == 2
+    assert [t.batch for t in result.trials] == [4, 2, result.max_micro_batch, result.max_micro_batch + 1]
+    assert prediction.curve, "the predicted curve is reported"
+
+
+@pytest.mark.parametrize(("name", "mibs"), [("mlp", (58, 59, 60, 62)), ("cnn", (40, 52, 80))])
+def test_one_recording_predicts_every_budget_and_trials_confirm_it(name: str, mibs: tuple[int, ...]) -> None:
+    workload = resolve(name)
+    big = BudgetDevice(1024 * MIB)
+    runner = TrialRunner(workload, big, steps=2)
+    _, high = record_trial(runner, big, 4)
+    _, low = record_trial(runner, big, 2)
+    assert low is not None and high is not None
+    for mib in mibs:
+        predicted, _ = predict(low, high, mib * MIB)
+        assert predicted is not None and predicted > 4
+        device = BudgetDevice(mib * MIB)
+        check = TrialRunner(workload, device, steps=2)
+        assert check(predicted).fits, f"{name} at {mib} MiB: predicted {predicted} does not fit"
+        assert not check(predicted + 1).fits, f"{name} at {mib} MiB: {predicted + 1} fits too"
+
+
+def test_rounding_each_storage_beats_extrapolating_rounded_sums() -> None:
+    """The mlp's per-sample tensors are small (int64 targets: 8 bytes a sample), so rounded live
+    bytes are not affine: the envelope over-predicts by one at 59 MiB; the storage model is exact."""
+    workload = resolve("mlp")
+    big = BudgetDevice(1024 * MIB)
+    runner = TrialRunner(workload, big, steps=2)
+    _, high = record_trial(runner, big, 4)
+    _, low = record_trial(runner, big, 2)
+    assert low is not None and high is not None
+    envelope, _ = predict(low, high, 59 * MIB, exact_storages=False)
+    exact, model = predict(low, high, 59 * MIB)
+    assert isinstance(model, StorageModel)
+    assert envelope == exact + 1  # type: ignore[operator]
+    check = TrialRunner(workload, BudgetDevice(59 * MIB), steps=2)
+    assert check(exact).fits and not check(envelope).fits  # type: ignore[arg-type]
+
+
+def test_the_storage_model_reproduces_its_own_recordings() -> None:
+    workload = resolve("cnn")
+    device = BudgetDevice(1024 * MIB)
+    runner = TrialRunner(workload, device, steps=2)
+    records = {b: record_trial(runner, device, b) for b in (2, 4, 6)}
+    timelines = {b: t for b, (_, t) in records.items()}
+    assert all(t is not None for t in timelines.values())
+    low, high, third = timelines[2], timelines[4], timelines[6]
+    assert low is not None and high is not None and third is not None
+    assert max(low.live) == records[2][0].peak_allocated_bytes
+    model = StorageModel.fit(low, high)
+    assert model is not None
+    # A third size it never saw, op by op.
+    assert model.timeline(6).tolist() == list(third.live)
+
+
+# Batch-dependent op sequences ---------------------------------------------------------------
+def _probe(target: str, **kwargs: object) -> ProbeResult:
+    request = ProbeRequest(
+        target=f"tests.predict_workloads:{target}",
+        device="cpu",
+        memory=MIB,
+        headroom=0,
+        **kwargs,  # type: ignore[arg-type]
+    )
+    return run_probe(request)
+
+
+def test_differing_first_pair_predicts_from_the_next_pair() -> None:
+    result = _probe("branchy")
+    prediction = result.prediction
+    assert prediction is not None
+    assert prediction.probe_batches == [4, 2, 8] and prediction.probe_trials == 3
+    assert prediction.fallback_reason is None
+    assert prediction.exact is True
+    _assert_verified(result)
+    assert result.max_micro_batch == _probe("branchy", search="plain").max_micro_batch
+
+
+def test_op_sequences_that_always_differ_fall_back_to_the_plain_search() -> None:
+    result = _probe("loopy")
+    prediction = result.prediction
+    assert prediction is not None
+    assert prediction.predicted_max_micro_batch is None and prediction.exact is None
+    assert prediction.fallback_reason is not None and "differ" in prediction.fallback_reason
+    _assert_verified(result)
+    # The timeline trials are reused by the plain search, never repeated.
+    assert [t.batch for t in result.trials][:4] == [4, 2, 8, 1]
+    assert result.max_micro_batch == _probe("loopy", search="plain").max_micro_batch
+
+
+def test_a_probe_that_does_not_fit_falls_back() -> None:
+    tiny = run_probe(ProbeRequest(target="gpt", device="cpu", memory=80 * MIB, headroom=0))
+    assert tiny.prediction is not None and tiny.prediction.fallback_reason is not None
+    assert "did not fit" in tiny.prediction.fallback_reason
+    _assert_verified(tiny)
+
+
+def test_a_cap_below_the_probes_is_never_exceeded() -> None:
+    result = _probe("plain", max_batch=3)
+    assert result.prediction is not None and "cap" in (result.prediction.fallback_reason or "")
+    assert max(t.batch for t in result.trials) == 3 and result.capped
+
+
+def test_a_cap_below_the_prediction_is_tried_and_reported() -> None:
+    result = _probe("plain", max_batch=20)
+    assert result.capped and result.max_micro_batch == 20
+    assert result.prediction is not None and result.prediction.predicted_max_micro_batch == 20
+    assert [t.batch for t in result.trials] == [4, 2, 20]
+
+
+def test_granularity_probes_and_answers_on_multiples() -> None:
+    result = _probe("plain", granularity=8)
+    assert all(t.batch % 8 == 0 for t in result.trials)
+    assert result.prediction is not None and result.prediction.probe_batches == [16, 8]
+    _assert_verified(result)
+    assert result.max_micro_batch == _probe("plain", granularity=8, search="plain").max_micro_batch
+
+
+def test_plain_search_is_kept_on_request() -> None:
+    result = _probe("plain", search="plain")
+    assert result.search == "plain" and result.prediction is None
+    assert [t.batch for t in result.trials][:3] == [1, 2, 4]
+
+
+# The envelope as pure arithmetic --------------------------------------------------------------
+def _timeline(batch: int, live: list[int]) -> Timeline:
+    return Timeline(batch, tuple("op" for _ in live), tuple(live))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 3_000)), min_size=1, max_size=12),
+    st.integers(0, 200_000),
+)
+def test_envelope_answer_is_the_largest_batch_under_the_limit(lines: list[tuple[int, int]], limit: int) -> None:
+    """live_t(B) = a_t + b_t·B: the answer is the brute-force largest B whose every op fits."""
+    low = _timeline(2, [a + 2 * b for a, b in lines])
+    high = _timeline(4, [a + 4 * b for a, b in lines])
+    model = EnvelopeModel.fit(low, high)
+    answer = model.largest(limit)
+
+    def fits(batch: int) -> bool:
+        return all(a + b * batch <= limit for a, b in lines)
+
+    if all(b == 0 for _, b in lines):
+        assert answer == (None if fits(1) else 0)
+        return
+    assert answer is not None
+    assert answer == 0 or fits(answer)
+    assert not fits(answer + 1)
+    assert all(not fits(b) for b in range(answer + 1, answer + 50))
