@@ -92,6 +92,8 @@ def _print_summary(result: ProbeResult) -> None:
     out.print(
         f"  {len(result.trials)} trials in {result.duration_seconds:.1f} s; fingerprint {result.fingerprint[:16]}"
     )
+    for line in _prediction_lines(result):
+        out.print(line)
     if result.plan is not None:
         for line in _plan_lines(result.plan):
             out.print(line)
@@ -141,6 +143,15 @@ def probe(
         str | None,
         typer.Option(help="Post the result to the autotune service at this URL (token: AUTOTUNE_TOKEN)."),
     ] = None,
+    search: Annotated[
+        str, typer.Option(help="predict (two timeline trials predict, two verify) or plain (double, then bisect).")
+    ] = "predict",
+    objective: Annotated[
+        str, typer.Option(help="memory (the largest that fits) or throughput (the fastest fitting one for the plan).")
+    ] = "memory",
+    plot: Annotated[
+        str | None, typer.Option(help="Write a PNG of memory against batch size (needs the plot extra).")
+    ] = None,
 ) -> None:
     """Probe the largest micro-batch of TARGET that fits within the budget."""
     if publish is not None and not publish.startswith(("http://", "https://")):
@@ -164,12 +175,18 @@ def probe(
                 world_size=world_size,
                 policy=_policy(policy),
                 min_free_memory=parse_size(min_free_memory) if min_free_memory else None,
+                search=_choice(search, ("plain", "predict"), "--search"),
+                objective=_choice(objective, ("memory", "throughput"), "--objective"),
             )
         )
     except ValueError as exc:  # pydantic's ValidationError
         raise ConfigError(_validation_message(exc)) from None
     if effective_batch is not None:
         plan(effective_batch, 1, world_size, request.policy)  # fail fast on an impossible plan
+    if plot is not None:
+        from autotune.plot import require_matplotlib
+
+        require_matplotlib()
 
     load_workload(request)  # bad targets and options fail here, before any process starts
     result = _run_with_progress(request, in_process, timeout)
@@ -177,6 +194,10 @@ def probe(
         sys.stdout.write(result.model_dump_json(indent=2) + "\n")
     else:
         _print_summary(result)
+    if plot is not None:
+        from autotune.plot import write_plot
+
+        err.print(f"plot written to {write_plot(result, plot)}", highlight=False)
     if publish is not None:
         from autotune.client import publish_result
 
@@ -216,6 +237,28 @@ def _run_with_progress(request: ProbeRequest, in_process: bool, timeout: float |
             live.update(_trial_table(trials, title), refresh=True)
 
         return run(show)
+
+
+def _prediction_lines(result: ProbeResult) -> list[str]:
+    lines: list[str] = []
+    p = result.prediction
+    if p is not None:
+        if p.predicted_max_micro_batch is not None:
+            verdict = "exact" if p.exact else f"verified answer {result.max_micro_batch}"
+            lines.append(
+                f"  predicted {p.predicted_max_micro_batch} from timelines at {', '.join(map(str, p.probe_batches))} "
+                f"({verdict}; the {p.probe_trials} timeline trials are counted above)"
+            )
+        if p.fallback_reason:
+            lines.append(f"  [yellow]plain search:[/] {p.fallback_reason}")
+    c = result.throughput
+    if c is not None:
+        unit = "per optimizer step" if c.basis == "optimizer-step" else "per sample"
+        lines.append(
+            f"  throughput: micro-batch {c.micro_batch} is fastest ({c.seconds:.4g} s {unit}); "
+            f"the largest timed, {c.largest_micro_batch}, is {c.largest_slowdown:.0%} slower"
+        )
+    return lines
 
 
 @app.command("plan")
@@ -264,6 +307,83 @@ def serve(
     except ImportError as exc:
         raise ConfigError(f"the service needs its extra: pip install 'autotune[server]' ({exc})") from None
     run_server(host=host, port=port)
+
+
+@app.command()
+def estimate(
+    target: Annotated[str, typer.Argument(help="Built-in example (mlp, cnn, gpt) or module:attribute.")],
+    memory: Annotated[str, typer.Option(help="The device's memory, e.g. 80GiB.")],
+    precision: Annotated[
+        str | None, typer.Option(help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler).")
+    ] = None,
+    optimizer: Annotated[str | None, typer.Option(help="sgd, adam or adamw.")] = None,
+    headroom: Annotated[
+        str | None, typer.Option(help="Kept free: a fraction (0.05, 5%) or a size (2GiB). Default 5%.")
+    ] = None,
+    overhead: Annotated[
+        str | None,
+        typer.Option(help="Subtracted for the CUDA context, workspaces and fragmentation. Default 768MiB."),
+    ] = None,
+    steps: Annotated[int, typer.Option(help="Training steps per trial.")] = 2,
+    max_batch: Annotated[int | None, typer.Option(help="Never consider more than this.")] = None,
+    granularity: Annotated[int, typer.Option(help="Only consider multiples of this.")] = 1,
+    option: Annotated[
+        list[str] | None,
+        typer.Option("--option", "-o", help="Workload option key=value (repeatable)."),
+    ] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the estimate as one JSON document.")] = False,
+) -> None:
+    """Estimate the largest micro-batch of TARGET for a memory size, without a GPU (fake tensors)."""
+    from autotune.estimate import CUDA_OVERHEAD_BYTES
+    from autotune.estimate import estimate as run_estimate
+
+    if steps < 1 or granularity < 1:
+        raise ConfigError("--steps and --granularity must be at least 1")
+    result = run_estimate(
+        target,
+        parse_size(memory),
+        options=parse_options(option or []),
+        precision=_choice(precision, ("fp32", "bf16", "fp16"), "--precision"),
+        optimizer=_choice(optimizer.lower() if optimizer else None, ("sgd", "adam", "adamw"), "--optimizer"),
+        headroom=parse_headroom(headroom) if headroom is not None else None,
+        overhead_bytes=_overhead(overhead, CUDA_OVERHEAD_BYTES),
+        steps=steps,
+        max_batch=max_batch,
+        granularity=granularity,
+    )
+    if json_output:
+        sys.stdout.write(result.model_dump_json(indent=2) + "\n")
+        return
+    out.print(
+        f"[bold]estimated max micro-batch: {result.max_micro_batch}[/]"
+        + (" [yellow](capped)[/]" if result.capped else "")
+        + " (an estimate: fake tensors on the CPU, nothing measured on a GPU)"
+    )
+    out.print(
+        f"  memory {format_bytes(result.memory_bytes)} - headroom {format_bytes(result.headroom_bytes)} "
+        f"- CUDA overhead {format_bytes(result.overhead_bytes)} = limit {format_bytes(result.limit_bytes)}; "
+        f"parameters and buffers {format_bytes(result.state_bytes)}"
+    )
+    if result.predicted_max_micro_batch is not None:
+        out.print(f"  the two timeline trials predicted {result.predicted_max_micro_batch}")
+    if result.fallback_reason:
+        out.print(f"  [yellow]plain search:[/] {result.fallback_reason}")
+    if result.curve:
+        table = Table(title="predicted peak memory", title_justify="left")
+        table.add_column("micro-batch", justify="right")
+        table.add_column("peak", justify="right")
+        table.add_column("", justify="left")
+        for point in result.curve:
+            mark = "fits" if point.peak_bytes <= result.limit_bytes else "over the limit"
+            table.add_row(str(point.batch), format_bytes(point.peak_bytes), mark)
+        out.print(table)
+    out.print(f"  {len(result.trials)} fake trials in {result.seconds:.1f} s")
+
+
+def _overhead(text: str | None, default: int) -> int:
+    if text is None:
+        return default
+    return 0 if text.strip() == "0" else parse_size(text)
 
 
 @app.command()

@@ -306,6 +306,7 @@ def record_trial(trial: TrialFn, device: ProbeDevice, batch: int) -> tuple[Trial
 class PredictedOutcome:
     outcome: SearchOutcome
     prediction: Prediction
+    model: CurveModel | None = None
 
 
 def probe_ladder(granularity: int) -> tuple[int, ...]:
@@ -372,6 +373,7 @@ def predicted_search(
 
     predicted: int | None = None
     points: list[CurvePoint] = []
+    model: CurveModel | None = None
     if pair is not None:
         limit = int(limit_bytes * reserve_ratio(probes))
         raw, model = predict(pair[0], pair[1], limit)
@@ -401,4 +403,4 @@ def predicted_search(
         fallback_reason=reason,
         curve=points,
     )
-    return PredictedOutcome(outcome, prediction)
+    return PredictedOutcome(outcome, prediction, model)

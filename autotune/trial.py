@@ -19,6 +19,7 @@ from contextlib import AbstractContextManager
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from autotune import oom
 from autotune.errors import NotAnOOMError
@@ -57,15 +58,21 @@ class TrialRunner:
         device: ProbeDevice,
         steps: int = 2,
         on_step: Callable[[int, int], None] | None = None,
+        model: nn.Module | None = None,
     ) -> None:
+        """`model`: an already built model to use as is (the estimator's fake-tensor model, which
+        `.to()` cannot move); by default the workload builds one on the device."""
         if steps < 1:
             raise ValueError("steps must be at least 1")
         self.workload = workload
         self.device = device
         self.steps = steps
         self._on_step = on_step
-        with device.active():
-            self.model = workload.build_model().to(device.torch_device)
+        if model is not None:
+            self.model = model
+        else:
+            with device.active():
+                self.model = workload.build_model().to(device.torch_device)
         self.model.train()
         self._state = [t for t in (*self.model.parameters(), *self.model.buffers())]
         device.track(self._state)

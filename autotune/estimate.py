@@ -1,0 +1,197 @@
+"""`autotune estimate`: the largest micro-batch for a memory size, on any machine, computing nothing.
+
+The model is built on the `meta` device, then its parameters and buffers are replaced by tensors
+created inside one `FakeTensorMode` (copying a fake tensor would make a second fake mode, which
+torch refuses to mix). Trials then run on the CPU budget device with fake CPU tensors: every op
+produces a tensor with real sizes and no data, and the budget device counts their storages as it
+counts real ones (fake CPU peaks equal real CPU peaks to the byte). So the estimator is the
+probe itself on a simulated device: the two timeline trials predict the curve and two more
+trials confirm the answer, in seconds, whatever the memory size.
+
+What it cannot see is what a GPU adds beyond the tensors: the CUDA context, cuBLAS/cuDNN
+workspaces and the caching allocator's fragmentation. `CUDA_OVERHEAD_BYTES` is subtracted from the
+memory for them (`--overhead` changes it; 0 reproduces the budget device's probe exactly). The
+result is labelled an estimate; the probe on the real device is the answer.
+
+Limits: fake CUDA tensors cannot run a training step on a CPU-only torch build, so ops run as CPU
+ops (a CUDA-only kernel with a different memory profile, such as flash attention, is estimated
+by its CPU counterpart). `.item()` is data-dependent under fake tensors: the GradScaler's
+inf-check is replaced by "the step happens" (the memory-worst case), and a workload whose step
+reads values fails with a clear message.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+from unittest import mock
+
+import torch
+from pydantic import BaseModel, Field
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from autotune.budget import BudgetDevice
+from autotune.errors import ConfigError, NotAnOOMError, WorkloadError
+from autotune.predict import predicted_search
+from autotune.results import CurvePoint, TrialRecord
+from autotune.settings import get_settings
+from autotune.trial import TrialRunner
+from autotune.units import format_bytes
+from autotune.workload import OptionValue, Workload, resolve
+
+# What a CUDA device holds besides the tensors a step allocates: the context (about 500 MiB on
+# recent GPUs with lazy module loading), cuBLAS/cuBLASLt workspaces (tens of MiB per stream) and
+# the caching allocator's rounding of large blocks. Measured figures are in the README.
+CUDA_OVERHEAD_BYTES = 768 * 2**20
+
+
+class EstimateResult(BaseModel):
+    """The estimated largest micro-batch of a workload for a memory size (nothing was computed)."""
+
+    kind: str = Field(default="estimate", description="Always 'estimate': not measured on a device.")
+    target: str
+    options: dict[str, OptionValue] = Field(default_factory=dict)
+    precision: str
+    optimizer: str
+    steps: int
+    memory_bytes: int
+    headroom_bytes: int
+    overhead_bytes: int = Field(description="Subtracted for the CUDA context, workspaces and fragmentation.")
+    limit_bytes: int = Field(description="memory - headroom - overhead: the peak the estimate stays under.")
+    state_bytes: int = Field(description="Parameters and buffers, before any step.")
+    max_micro_batch: int = Field(description="Largest micro-batch under the limit on the simulated device.")
+    capped: bool = False
+    predicted_max_micro_batch: int | None = Field(description="What the two timeline trials predicted.")
+    fallback_reason: str | None = None
+    curve: list[CurvePoint] = Field(default_factory=list, description="Predicted peak bytes by batch size.")
+    trials: list[TrialRecord] = Field(description="Fake-tensor trials (their times are not a GPU's).")
+    seconds: float
+
+
+def fake_model(workload: Workload, mode: FakeTensorMode) -> nn.Module:
+    """Build on meta, then give every parameter and buffer a fake CPU tensor made inside `mode`.
+
+    Shared (tied) parameters stay shared: the replacement is memoized by identity."""
+    with torch.device("meta"):
+        model = workload.build_model()
+    replaced: dict[int, torch.Tensor] = {}
+    with mode:
+        for module in model.modules():
+            for name, param in list(module._parameters.items()):
+                if param is None:
+                    continue
+                if id(param) not in replaced:
+                    fake = torch.empty(param.shape, dtype=param.dtype, device="cpu")
+                    replaced[id(param)] = nn.Parameter(fake, requires_grad=param.requires_grad)
+                module._parameters[name] = replaced[id(param)]  # type: ignore[assignment]
+            for name, buffer in list(module._buffers.items()):
+                if buffer is None:
+                    continue
+                if id(buffer) not in replaced:
+                    replaced[id(buffer)] = torch.empty(buffer.shape, dtype=buffer.dtype, device="cpu")
+                module._buffers[name] = replaced[id(buffer)]
+    return model
+
+
+def _always_step(self: Any, optimizer: torch.optim.Optimizer, state: Any, *args: Any, **kwargs: Any) -> Any:
+    return optimizer.step(*args, **kwargs)
+
+
+@contextmanager
+def fake_execution() -> Iterator[FakeTensorMode]:
+    """A fresh fake mode, with the GradScaler's data-dependent inf-check replaced by a step."""
+    mode = FakeTensorMode()
+    with mock.patch.object(torch.amp.GradScaler, "_maybe_opt_step", _always_step):
+        try:
+            yield mode
+        finally:
+            FakeTensorMode.cache_clear()
+
+
+def estimate(
+    target: str,
+    memory_bytes: int,
+    *,
+    options: dict[str, OptionValue] | None = None,
+    precision: str | None = None,
+    optimizer: str | None = None,
+    headroom: float | int | None = None,
+    overhead_bytes: int = CUDA_OVERHEAD_BYTES,
+    steps: int = 2,
+    max_batch: int | None = None,
+    granularity: int = 1,
+) -> EstimateResult:
+    """Estimate the largest micro-batch of `target` for a device with `memory_bytes`."""
+    started = time.perf_counter()
+    workload = resolve(target, options or {}).with_overrides(precision=precision, optimizer=optimizer)
+    room = get_settings().headroom if headroom is None else headroom
+    headroom_bytes = int(memory_bytes * room) if isinstance(room, float) else int(room)
+    limit = memory_bytes - headroom_bytes - overhead_bytes
+    if limit <= 0:
+        raise ConfigError(
+            f"{format_bytes(memory_bytes)} minus headroom {format_bytes(headroom_bytes)} and overhead "
+            f"{format_bytes(overhead_bytes)} leaves nothing: give more --memory or less --overhead"
+        )
+    device = BudgetDevice(memory_bytes, limit)
+    with fake_execution() as mode:
+        model = fake_model(workload, mode)
+        with mode:
+            runner = TrialRunner(workload, device, steps=steps, model=model)
+
+            def trial(batch: int) -> TrialRecord:
+                try:
+                    record = runner(batch)
+                finally:
+                    # Every new shape adds cache entries; nothing is reused across batch sizes.
+                    FakeTensorMode.cache_clear()
+                return record
+
+            try:
+                found = predicted_search(trial, device, cap=max_batch, granularity=granularity, limit_bytes=limit)
+            except NotAnOOMError as exc:
+                if "DataDependent" in exc.original:
+                    raise WorkloadError(
+                        f"{target} reads tensor values during its step (.item(), data-dependent shapes): "
+                        "fake tensors have none, so it cannot be estimated; probe it on a device instead"
+                    ) from None
+                raise
+        state = runner.baseline_bytes
+    outcome, prediction = found.outcome, found.prediction
+    answer = outcome.max_micro_batch
+    points = (
+        []
+        if found.model is None
+        else [CurvePoint(batch=b, peak_bytes=found.model.peak(b)) for b in curve_sizes(answer)]
+    )
+    return EstimateResult(
+        target=target,
+        options=dict(options or {}),
+        precision=workload.precision.value,
+        optimizer=workload.optimizer,
+        steps=steps,
+        memory_bytes=memory_bytes,
+        headroom_bytes=headroom_bytes,
+        overhead_bytes=overhead_bytes,
+        limit_bytes=limit,
+        state_bytes=state,
+        max_micro_batch=answer,
+        capped=outcome.capped,
+        predicted_max_micro_batch=prediction.predicted_max_micro_batch,
+        fallback_reason=prediction.fallback_reason,
+        curve=points,
+        trials=outcome.trials,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def curve_sizes(answer: int) -> list[int]:
+    """Where the printed curve is evaluated: powers of two below the answer, the answer, one more."""
+    sizes = {answer, answer + 1}
+    size = 1
+    while size < answer:
+        sizes.add(size)
+        size *= 2
+    return sorted(sizes)
