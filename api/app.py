@@ -8,6 +8,7 @@ live in this process's memory, so run one server (one uvicorn worker) per AUTOTU
 
 from __future__ import annotations
 
+import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -41,6 +42,10 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         service = Service(settings, inventory=inventory, runner=runner)
         app.state.service = service
+        # torch, the registry and the stored results are a few hundred thousand objects that live
+        # as long as the server: leave them out of every garbage collection from now on, so that
+        # a collection triggered by request garbage does not walk them in the middle of a query.
+        gc.freeze()
         try:
             yield
         finally:
@@ -57,6 +62,6 @@ def create_app(
     app.state.token = token_bytes(settings.token)
     app.state.service = None
     errors.install(app)
+    app.include_router(v1.router)  # first: plan queries are most of the traffic
     app.include_router(ops.router)
-    app.include_router(v1.router)
     return app

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from autotune.errors import ConfigError
-from autotune.plan import Plan
+from autotune.plan import Plan, Policy
 from autotune.registry import NAME_PATTERN
 from autotune.results import ProbeResult, TrialRecord
 from autotune.store import JobError, JobStatus
@@ -23,6 +23,7 @@ from autotune.units import parse_headroom, parse_size
 
 MAX_BATCH = 2**20  # samples: more than any micro-batch or effective batch we have seen asked for
 MAX_STEPS = 20  # training steps per trial: 2 reach the steady state, a few more smooth timings
+MAX_WAIT = 60.0  # seconds a plan query may block; clients loop for longer waits
 DEVICE_PATTERN = r"^(cpu|cuda|cuda:\d{1,3})$"
 
 
@@ -96,6 +97,53 @@ class ProbeCreate(BaseModel):
     @classmethod
     def _headroom(cls, value: object) -> float | int | None:
         return headroom_value(value)
+
+
+class PlanQuery(BaseModel):
+    """`GET /v1/plan` query parameters. Parameters it does not know are ignored, as usual in a
+    query string."""
+
+    workload: str = Field(pattern=NAME_PATTERN, description="A registered workload.")
+    effective_batch: int = Field(ge=1, le=MAX_BATCH, description="Samples per optimizer step, over all ranks.")
+    world_size: int = Field(default=1, ge=1, le=65536, description="Data-parallel ranks.")
+    policy: Policy = Field(default=Policy.FEWEST_STEPS, description="fewest-steps, or exact (equal micro-batches).")
+    device: str | None = Field(default=None, pattern=DEVICE_PATTERN, description="cpu, cuda or cuda:N.")
+    memory: int | None = Field(default=None, description="Probe as if the device had this much: bytes or e.g. 24GiB.")
+    headroom: float | int | None = Field(default=None, description="Kept free: 0.05, 5% or 2GiB.")
+    precision: Literal["fp32", "bf16", "fp16"] | None = None
+    optimizer: Literal["sgd", "adam", "adamw"] | None = None
+    wait: float = Field(
+        default=0.0, ge=0, le=MAX_WAIT, allow_inf_nan=False, description="Seconds to wait for a probe to finish."
+    )
+
+    @field_validator("memory", mode="before")
+    @classmethod
+    def _memory(cls, value: object) -> int | None:
+        return size_value(value)
+
+    @field_validator("headroom", mode="before")
+    @classmethod
+    def _headroom(cls, value: object) -> float | int | None:
+        return headroom_value(value)
+
+
+def query_parameters(model: type[BaseModel]) -> list[dict[str, Any]]:
+    """OpenAPI `parameters` for a model read from the query string (enums inlined: a query
+    parameter's schema cannot point into the model's own `$defs`)."""
+    schema = model.model_json_schema()
+    definitions = schema.get("$defs", {})
+    required = set(schema.get("required", []))
+    parameters = []
+    for name, field in schema["properties"].items():
+        reference = field.pop("$ref", None)
+        if reference is not None:
+            field = {**definitions[reference.rsplit("/", 1)[-1]], **field}
+        description = field.pop("description", "")
+        field.pop("title", None)
+        parameters.append(
+            {"name": name, "in": "query", "required": name in required, "description": description, "schema": field}
+        )
+    return parameters
 
 
 class ProbeView(BaseModel):

@@ -15,7 +15,7 @@ from fastapi import HTTPException, Request, status
 _CHALLENGE = {"WWW-Authenticate": "Bearer"}
 
 
-def check_token(request: Request) -> None:
+async def check_token(request: Request) -> None:
     """FastAPI dependency of the /v1 router."""
     expected: bytes | None = request.app.state.token
     if expected is None:

@@ -11,39 +11,37 @@ from __future__ import annotations
 import asyncio
 import math
 import re
-from typing import Annotated, Any, Literal
+from collections import OrderedDict
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Request, Response, status
+from fastapi import APIRouter, Depends, Request, Response, status
 from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 
 from api.devices import read_inventory, snapshot
 from api.errors import NotFoundError
 from api.schemas import (
-    DEVICE_PATTERN,
-    MAX_BATCH,
     BudgetDeviceView,
     DevicesView,
     ErrorView,
     GpuView,
     PlanFailed,
     PlanPending,
+    PlanQuery,
     PlanView,
     ProbeCreate,
     ProbeView,
     Published,
     StoredView,
     WorkloadView,
-    headroom_value,
-    size_value,
+    query_parameters,
 )
 from api.security import check_token
 from api.service import Service, check_plan
-from autotune.plan import Policy
 from autotune.probekey import key_from_result
-from autotune.registry import NAME_PATTERN, UnknownWorkloadError
+from autotune.registry import UnknownWorkloadError
 from autotune.results import SCHEMA_VERSION, ProbeResult
 
-MAX_WAIT = 60.0  # seconds a plan query may block; clients loop for longer waits
 _JOB_ID = re.compile(r"^[0-9a-f]{32}$")
 _FINGERPRINT = re.compile(r"^[0-9a-f]{64}$")
 
@@ -57,7 +55,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 router = APIRouter(prefix="/v1", dependencies=[Depends(check_token)], responses=_ERRORS)
 
 
-def service(request: Request) -> Service:
+async def service(request: Request) -> Service:
     svc: Service = request.app.state.service
     return svc
 
@@ -65,24 +63,86 @@ def service(request: Request) -> Service:
 ServiceDep = Annotated[Service, Depends(service)]
 
 
-def _invalid(where: str, name: str, message: str, value: object) -> RequestValidationError:
-    return RequestValidationError(
-        [{"type": "value_error", "loc": (where, name), "msg": message, "input": value}],
+_QUERIES: OrderedDict[bytes, PlanQuery] = OrderedDict()  # raw query string -> parsed: fleets repeat queries
+
+
+def _plan_query(request: Request) -> PlanQuery:
+    """The plan query, validated by one pydantic model rather than FastAPI's per-parameter
+    machinery, which costs more than the rest of a plan query together; memoized by raw query."""
+    raw: bytes = request.scope.get("query_string", b"")
+    query = _QUERIES.get(raw)
+    if query is None:
+        try:
+            query = PlanQuery.model_validate(dict(request.query_params))
+        except ValidationError as exc:
+            errors = [{**e, "loc": ("query", *e["loc"])} for e in exc.errors(include_url=False)]
+            raise RequestValidationError(errors) from None
+        _QUERIES[raw] = query
+        while len(_QUERIES) > 4096:
+            _QUERIES.popitem(last=False)
+    return query
+
+
+# Plans (first: the route matched most often) ----------------------------------------------------
+@router.get(
+    "/plan",
+    response_model=PlanView,
+    openapi_extra={"parameters": query_parameters(PlanQuery)},
+    summary="Micro-batches and accumulation steps for an effective batch, from the stored result",
+    responses={
+        202: {"model": PlanPending, "description": "No result yet: the probe for it; Location: /v1/probes/{id}."},
+        409: {"model": PlanFailed, "description": "The probe for this plan failed; the error says why."},
+    },
+)
+async def get_plan(request: Request) -> Response:
+    svc: Service = request.app.state.service
+    query = _plan_query(request)
+    resolved = svc.resolve(
+        query.workload,
+        device=query.device,
+        memory=query.memory,
+        headroom=query.headroom,
+        precision=query.precision,
+        optimizer=query.optimizer,
     )
+    effective_batch, world_size, policy, wait = query.effective_batch, query.world_size, query.policy, query.wait
+    svc.metrics.plan_requests.inc()
+    cached = svc.results.get(resolved.digest)
+    if cached is not None:
+        svc.metrics.plan_cache_hits.inc()
+        return Response(
+            svc.plan_body(resolved, cached, effective_batch, world_size, policy), media_type="application/json"
+        )
+
+    check_plan(effective_batch, world_size, policy)
+    failed = svc.jobs.recent_failure(resolved.digest)
+    if failed is None:
+        job, _created = svc.submit(resolved)
+        if wait > 0:
+            await svc.jobs.wait(job.id, wait)
+            cached = svc.results.get(resolved.digest)
+            if cached is not None:
+                body = svc.plan_body(resolved, cached, effective_batch, world_size, policy)
+                return Response(body, media_type="application/json")
+        failed = job.id
+    view = svc.job_view(failed)
+    if view is None:  # not expected: the job was just created or just failed
+        raise NotFoundError(f"the probe for workload {query.workload!r} vanished: ask again")
+    location = {"Location": f"/v1/probes/{view.id}"}
+    if view.status == "failed":
+        message = view.error.message if view.error else "the probe failed"
+        failure = PlanFailed(detail=f"the probe for this plan failed: {message}", probe=view)
+        return _json(failure, status.HTTP_409_CONFLICT, location)
+    pending = PlanPending(
+        status=view.status,
+        detail=f"no result stored yet: probe {view.id} is {view.status}; ask again, or pass wait=SECONDS",
+        probe=view,
+    )
+    return _json(pending, status.HTTP_202_ACCEPTED, {**location, "Retry-After": "1"})
 
 
-def _query_size(name: str, value: str | None) -> int | None:
-    try:
-        return size_value(value)
-    except ValueError as exc:
-        raise _invalid("query", name, str(exc), value) from None
-
-
-def _query_headroom(value: str | None) -> float | int | None:
-    try:
-        return headroom_value(value)
-    except ValueError as exc:
-        raise _invalid("query", "headroom", str(exc), value) from None
+def _json(model: PlanFailed | PlanPending, code: int, headers: dict[str, str]) -> Response:
+    return Response(model.model_dump_json(), status_code=code, headers=headers, media_type="application/json")
 
 
 # Devices and workloads ---------------------------------------------------------------------------
@@ -172,78 +232,6 @@ async def get_probe(probe_id: str, svc: ServiceDep) -> ProbeView:
     if view is None:
         raise NotFoundError(f"no probe {probe_id[:64]!r}: probe ids come from POST /v1/probes")
     return view
-
-
-# Plans -------------------------------------------------------------------------------------------
-@router.get(
-    "/plan",
-    response_model=PlanView,
-    summary="Micro-batches and accumulation steps for an effective batch, from the stored result",
-    responses={
-        202: {"model": PlanPending, "description": "No result yet: the probe for it; Location: /v1/probes/{id}."},
-        409: {"model": PlanFailed, "description": "The probe for this plan failed; the error says why."},
-    },
-)
-async def get_plan(
-    svc: ServiceDep,
-    workload: Annotated[str, Query(pattern=NAME_PATTERN, description="A registered workload.")],
-    effective_batch: Annotated[int, Query(ge=1, le=MAX_BATCH, description="Samples per optimizer step, all ranks.")],
-    world_size: Annotated[int, Query(ge=1, le=65536, description="Data-parallel ranks.")] = 1,
-    policy: Annotated[Policy, Query(description="fewest-steps or exact (equal micro-batches).")] = Policy.FEWEST_STEPS,
-    device: Annotated[str | None, Query(pattern=DEVICE_PATTERN, description="cpu, cuda or cuda:N.")] = None,
-    memory: Annotated[str | None, Query(max_length=32, description="Probe as if the device had this much.")] = None,
-    headroom: Annotated[str | None, Query(max_length=32, description="0.05, 5% or 2GiB.")] = None,
-    precision: Literal["fp32", "bf16", "fp16"] | None = None,
-    optimizer: Literal["sgd", "adam", "adamw"] | None = None,
-    wait: Annotated[
-        float, Query(ge=0, le=MAX_WAIT, allow_inf_nan=False, description="Seconds to wait for a probe to finish.")
-    ] = 0.0,
-) -> Response:
-    resolved = svc.resolve(
-        workload,
-        device=device,
-        memory=_query_size("memory", memory),
-        headroom=_query_headroom(headroom),
-        precision=precision,
-        optimizer=optimizer,
-    )
-    svc.metrics.plan_requests.inc()
-    cached = svc.results.get(resolved.digest)
-    if cached is not None:
-        svc.metrics.plan_cache_hits.inc()
-        return Response(
-            svc.plan_body(resolved, cached, effective_batch, world_size, policy), media_type="application/json"
-        )
-
-    check_plan(effective_batch, world_size, policy)
-    failed = svc.jobs.recent_failure(resolved.digest)
-    if failed is None:
-        job, _created = svc.submit(resolved)
-        if wait > 0:
-            await svc.jobs.wait(job.id, wait)
-            cached = svc.results.get(resolved.digest)
-            if cached is not None:
-                body = svc.plan_body(resolved, cached, effective_batch, world_size, policy)
-                return Response(body, media_type="application/json")
-        failed = job.id
-    view = svc.job_view(failed)
-    if view is None:  # not expected: the job was just created or just failed
-        raise NotFoundError(f"the probe for workload {workload!r} vanished: ask again")
-    location = {"Location": f"/v1/probes/{view.id}"}
-    if view.status == "failed":
-        message = view.error.message if view.error else "the probe failed"
-        failure = PlanFailed(detail=f"the probe for this plan failed: {message}", probe=view)
-        return _json(failure, status.HTTP_409_CONFLICT, location)
-    pending = PlanPending(
-        status=view.status,
-        detail=f"no result stored yet: probe {view.id} is {view.status}; ask again, or pass wait=SECONDS",
-        probe=view,
-    )
-    return _json(pending, status.HTTP_202_ACCEPTED, {**location, "Retry-After": "1"})
-
-
-def _json(model: PlanFailed | PlanPending, code: int, headers: dict[str, str]) -> Response:
-    return Response(model.model_dump_json(), status_code=code, headers=headers, media_type="application/json")
 
 
 # Results -----------------------------------------------------------------------------------------

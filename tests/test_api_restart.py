@@ -1,6 +1,6 @@
 """Persistence: kill -9 mid-probe, restart on the same database: stored results are intact, the
 interrupted probe is marked failed and can be asked for again. A graceful stop mid-probe ends the
-probe child too."""
+probe child too and marks its job interrupted."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ from pathlib import Path
 
 import httpx
 
-from tests.serving import Server, alive, finished_probe, metric, start_server, wait_for
+from autotune.store import INTERRUPTED, Store
+from tests.serving import Server, alive, make_result, metric, start_server, wait_for
+
+TINY = {"in_features": 64, "hidden": 64, "layers": 1, "classes": 10}
 
 SLOW = {"workload": "gpt", "memory": "128MiB"}  # several seconds of trials on the budget device
 
@@ -33,10 +36,9 @@ def test_kill_9_mid_probe_then_restart(tmp_path: Path) -> None:
     first = start_server(tmp_path / "first", db=tmp_path / "autotune.db")
     try:
         with first.client() as client:
-            done = client.post("/v1/probes", json={"workload": "tiny"}).json()
-            stored = finished_probe(client, done["id"])
-            assert stored["status"] == "succeeded"
-            fingerprint = stored["result"]["fingerprint"]
+            published = make_result(options=TINY, max_micro_batch=12, max_batch_cap=16)
+            assert client.post("/v1/results", json=published.model_dump(mode="json")).status_code == 201
+            fingerprint = published.fingerprint
 
             slow = client.post("/v1/probes", json=SLOW).json()
             _running_with_a_trial(first, client, slow["id"])
@@ -61,6 +63,7 @@ def test_kill_9_mid_probe_then_restart(tmp_path: Path) -> None:
             plan = client.get("/v1/plan", params={"workload": "tiny", "effective_batch": 32})
             assert plan.status_code == 200
             assert plan.json()["fingerprint"] == fingerprint
+            assert plan.json()["plan"]["micro_batches"] == [11, 11, 10]  # 32 in steps of at most 12
             assert client.get(f"/v1/results/{fingerprint}").status_code == 200
             assert metric(client, "autotune_probes_started_total", 'device="cpu"') == 0
 
@@ -77,12 +80,17 @@ def test_kill_9_mid_probe_then_restart(tmp_path: Path) -> None:
     assert "Application shutdown complete" in second.output()
     wait_for(lambda: not any(alive(pid) for pid in children), 15, f"probe children {children} to exit")
 
-    third = start_server(tmp_path / "third", db=tmp_path / "autotune.db")
+    # The server marked its running job interrupted on the way out; the result is still stored.
+    store = Store(tmp_path / "autotune.db", recover=False)
     try:
-        with third.client() as client:
-            view = client.get(f"/v1/probes/{again.json()['id']}").json()
-            assert view["status"] == "failed"
-            assert view["error"]["type"] == "Interrupted"
-            assert client.get("/v1/plan", params={"workload": "tiny", "effective_batch": 32}).status_code == 200
+        job = store.get_job(again.json()["id"])
+        assert job is not None
+        assert job.status == "failed"
+        assert job.error is not None
+        assert (job.error.type, job.error.message) == (
+            INTERRUPTED,
+            "interrupted: the server shut down; ask for the probe again",
+        )
+        assert store.get_result(fingerprint) is not None
     finally:
-        third.stop()
+        store.close()
