@@ -305,7 +305,9 @@ def serve(
     try:
         from api.server import serve as run_server
     except ImportError as exc:
-        raise ConfigError(f"the service needs its extra: pip install 'autotune[server]' ({exc})") from None
+        raise ConfigError(
+            f"the service needs autotune's server extra (fastapi, uvicorn, prometheus-client): {exc}"
+        ) from None
     run_server(host=host, port=port)
 
 
