@@ -9,7 +9,7 @@ live in this process's memory, so run one server (one uvicorn worker) per AUTOTU
 from __future__ import annotations
 
 import gc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -32,10 +32,11 @@ when none is stored. With AUTOTUNE_TOKEN set, /v1 endpoints need `Authorization:
 def create_app(
     settings: Settings | None = None,
     *,
-    inventory: Any | None = None,
+    inventory: Callable[[], Any] | None = None,
     runner: Runner | None = None,
 ) -> FastAPI:
-    """The app. `inventory` replaces the NVML inventory and `runner` the isolated probe (tests)."""
+    """The app. `inventory` replaces the NVML inventory reader and `runner` the isolated probe
+    (tests: there is no GPU on CI)."""
     settings = settings or get_settings()
 
     @asynccontextmanager

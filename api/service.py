@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -46,13 +47,15 @@ class Service:
         self,
         settings: Settings,
         *,
-        inventory: Any | None = None,
+        inventory: Callable[[], Any] | None = None,
         runner: Runner | None = None,
     ) -> None:
         self.settings = settings
         self.registry: Registry = load_registry(settings.workloads)
+        # Reads NVML (`autotune.nvml.inventory`); tests pass a stand-in.
+        self.read_inventory: Callable[[], Any] = inventory or read_inventory
         self.devices = DeviceCatalog(
-            inventory if inventory is not None else read_inventory(),
+            self.read_inventory(),
             settings.cpu_memory,
             settings.max_cpu_memory,
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import re
 from collections import OrderedDict
 from typing import Annotated, Any
@@ -18,7 +19,7 @@ from fastapi import APIRouter, Depends, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from api.devices import read_inventory, snapshot
+from api.devices import snapshot
 from api.errors import NotFoundError
 from api.schemas import (
     BudgetDeviceView,
@@ -149,7 +150,7 @@ def _json(model: PlanFailed | PlanPending, code: int, headers: dict[str, str]) -
 @router.get("/devices", response_model=DevicesView, summary="The node's GPUs (NVML) and the CPU budget device")
 async def devices(svc: ServiceDep) -> DevicesView:
     # A fresh read: memory in use and processes change; the numbering does not.
-    inv = snapshot(await asyncio.to_thread(read_inventory))
+    inv = snapshot(await asyncio.to_thread(svc.read_inventory), os.environ.get("CUDA_VISIBLE_DEVICES"))
     gpus = [
         GpuView(
             id=d.id,
