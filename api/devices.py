@@ -162,9 +162,6 @@ class DeviceCatalog:
             raise NoDeviceError(f"no device {text}: {why}; the CPU budget device ('cpu') is always available")
         return text
 
-    def gpu(self, device_id: str) -> CudaDevice:
-        return self._by_id[device_id]
-
     def key(self, device_id: str, memory: int | None) -> DeviceKey:
         """The device model a request probes; for the budget device its size is the model."""
         if device_id == "cpu":

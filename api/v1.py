@@ -116,17 +116,18 @@ async def get_plan(request: Request) -> Response:
         )
 
     check_plan(effective_batch, world_size, policy)
-    failed = svc.jobs.recent_failure(resolved.digest)
-    if failed is None:
+    # A failure that would repeat is answered from memory; otherwise the probe for this query.
+    job_id = svc.jobs.recent_failure(resolved.digest)
+    if job_id is None:
         job, _created = svc.submit(resolved)
+        job_id = job.id
         if wait > 0:
-            await svc.jobs.wait(job.id, wait)
+            await svc.jobs.wait(job_id, wait)
             cached = svc.results.get(resolved.digest)
             if cached is not None:
                 body = svc.plan_body(resolved, cached, effective_batch, world_size, policy)
                 return Response(body, media_type="application/json")
-        failed = job.id
-    view = svc.job_view(failed)
+    view = svc.job_view(job_id)
     if view is None:  # not expected: the job was just created or just failed
         raise NotFoundError(f"the probe for workload {query.workload!r} vanished: ask again")
     location = {"Location": f"/v1/probes/{view.id}"}
