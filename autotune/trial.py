@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 from autotune import oom
-from autotune.errors import NotAnOOMError
+from autotune.errors import NotAnOOMError, NothingFitsError
 from autotune.results import TrialRecord
+from autotune.units import format_bytes
 from autotune.workload import Precision, Workload
 
 
@@ -71,8 +72,7 @@ class TrialRunner:
         if model is not None:
             self.model = model
         else:
-            with device.active():
-                self.model = workload.build_model().to(device.torch_device)
+            self.model = _build(workload, device)
         self.model.train()
         self._state = [t for t in (*self.model.parameters(), *self.model.buffers())]
         device.track(self._state)
@@ -156,3 +156,24 @@ class TrialRunner:
         self.device.empty_cache()
         self.device.reset_peak()
         self.last_leak_bytes = self.device.live_bytes() - self.baseline_bytes
+
+
+def _build(workload: Workload, device: ProbeDevice) -> nn.Module:
+    """Build the model on the device; a model that alone exceeds the limit is 'nothing fits'."""
+    failure: str | None = None
+    try:
+        with device.active():
+            return workload.build_model().to(device.torch_device)
+    except Exception as exc:  # classified here; anything but an OOM propagates
+        if not oom.is_oom(exc):
+            raise
+        failure = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        oom.release(exc)
+    needed = device.peak_allocated_bytes()
+    device.empty_cache()
+    raise NothingFitsError(
+        f"the model alone does not fit within a limit of {format_bytes(device.limit_bytes)} "
+        f"({failure}): give the probe more memory (--memory, less --headroom) or a smaller model",
+        peak_bytes=needed,
+        limit_bytes=device.limit_bytes,
+    )

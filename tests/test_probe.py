@@ -130,3 +130,8 @@ def test_examples_fit_batch_eight_in_256_mib() -> None:
     for name in EXAMPLES:
         runner = TrialRunner(EXAMPLES[name](), BudgetDevice(256 * MIB), steps=2)
         assert runner(8).fits, name
+
+
+def test_a_model_larger_than_the_budget_is_nothing_fits() -> None:
+    with pytest.raises(NothingFitsError, match=r"the model alone does not fit within a limit of 3\.8 MiB"):
+        run_probe(ProbeRequest(target="gpt", device="cpu", memory=4 * MIB))
