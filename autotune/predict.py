@@ -15,8 +15,9 @@ On the budget device the timeline also carries each storage's birth, death and r
 model can round every storage to the allocator's 512-byte blocks at the predicted size instead of
 extrapolating rounded sums (which is off by a block or two for models whose per-sample tensors
 are small, e.g. integer targets). On CUDA a dispatch mode reads `torch.cuda.memory_allocated()`
-after each op, and the limit is scaled by the allocated/reserved ratio the probes measured,
-because the cap on CUDA applies to reserved memory.
+after each op; the cap there applies to reserved memory (allocated plus the caching allocator's
+rounding and fragmentation), so the first guess is run as a trial and the allocated/reserved ratio
+it measured, at the scale of the answer, refines the guess before the verification.
 
 The timeline trials are real trials: they run the same steps under the same limit, so they are
 reported first in the result's trial list, counted in the trial count (`Prediction.probe_trials`
@@ -233,15 +234,17 @@ def predict(a: Timeline, b: Timeline, limit: int, *, exact_storages: bool = True
     return largest_fitting(storage, limit, first), storage
 
 
-def reserve_ratio(records: Sequence[TrialRecord]) -> float:
-    """allocated/reserved at the largest fitting probe: on CUDA the cap is on reserved memory,
-    the timeline counts allocated bytes. 1.0 on the budget device (it has no cache)."""
-    fitting = [r for r in records if r.fits and r.peak_allocated_bytes and r.peak_reserved_bytes]
-    if not fitting:
-        return 1.0
-    top = max(fitting, key=lambda r: r.batch)
-    assert top.peak_allocated_bytes is not None and top.peak_reserved_bytes is not None
-    return min(1.0, top.peak_allocated_bytes / top.peak_reserved_bytes)
+def allocated_ratio(record: TrialRecord) -> float | None:
+    """Peak allocated / peak reserved of one trial: below 1 where an allocator caches and rounds
+    blocks (CUDA), exactly 1 on the budget device."""
+    if not record.peak_allocated_bytes or not record.peak_reserved_bytes:
+        return None
+    return min(1.0, record.peak_allocated_bytes / record.peak_reserved_bytes)
+
+
+def caches_blocks(records: Sequence[TrialRecord]) -> bool:
+    """Whether the device reserves more than it allocates (the CUDA caching allocator)."""
+    return any((ratio := allocated_ratio(r)) is not None and ratio < 1 for r in records)
 
 
 # Recording on a device -------------------------------------------------------------------------
@@ -369,22 +372,38 @@ def predicted_search(
     probes = list(known.values())
 
     def cached(batch: int) -> TrialRecord:
-        return known[batch] if batch in known else trial(batch)
+        # Every size runs once: the verification reuses the probes and the first guess.
+        if batch not in known:
+            known[batch] = trial(batch)
+        return known[batch]
+
+    def on_grid(batch: int) -> int:
+        return (batch if cap is None else min(batch, cap)) // granularity * granularity
 
     predicted: int | None = None
+    first_guess: int | None = None
     points: list[CurvePoint] = []
     model: CurveModel | None = None
     if pair is not None:
-        limit = int(limit_bytes * reserve_ratio(probes))
-        raw, model = predict(pair[0], pair[1], limit)
+        raw, model = predict(pair[0], pair[1], limit_bytes)
         if raw is None and cap is None:
             reason = "memory does not grow with the batch size: nothing to extrapolate"
         else:
             guess = raw if raw is not None else cap
             assert guess is not None  # raw is None only with a cap here
-            if cap is not None:
-                guess = min(guess, cap)
-            predicted = guess // granularity * granularity
+            predicted = on_grid(guess)
+            if caches_blocks(probes) and predicted >= granularity:
+                # CUDA: the timeline counts allocated bytes, the cap applies to reserved ones, and
+                # their ratio at the small probes (mostly small-block segments and the cache) is
+                # not the ratio at the answer. One trial at the guess measures it where it matters.
+                first_guess = predicted
+                first = cached(first_guess)
+                ratio = allocated_ratio(first)
+                if ratio is not None and ratio < 1:
+                    refined = on_grid(largest_fitting(model, int(limit_bytes * ratio), first_guess))
+                    # What the trial showed bounds the refinement: no retrying below a fit or above an OOM.
+                    bounded = max(refined, first_guess) if first.fits else min(refined, first_guess - granularity)
+                    predicted = max(bounded, granularity)
             points = curve(model, max(2 * max(predicted, 1), max(known)))
 
     if predicted is None:
@@ -393,13 +412,14 @@ def predicted_search(
         outcome = search_from_guess(
             cached, max(predicted, granularity), cap=cap, granularity=granularity, limit_bytes=limit_bytes
         )
-    fresh = [t for t in outcome.trials if all(t is not p for p in probes)]
-    outcome.trials = probes + fresh
+    # `known` holds every trial once, in the order they ran (probes first).
+    outcome.trials = list(known.values())
     prediction = Prediction(
         predicted_max_micro_batch=predicted,
         probe_batches=[t.batch for t in probes],
         probe_trials=len(probes),
         exact=None if predicted is None else predicted == outcome.max_micro_batch,
+        first_guess=first_guess,
         fallback_reason=reason,
         curve=points,
     )

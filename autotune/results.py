@@ -90,6 +90,11 @@ class Prediction(BaseModel):
         "they are real trials and count in the trial count.",
     )
     exact: bool | None = Field(default=None, description="Whether the verified answer equals the prediction.")
+    first_guess: int | None = Field(
+        default=None,
+        description="CUDA: the guess from allocated bytes alone; a trial there measured reserved/allocated, "
+        "which refined it into predicted_max_micro_batch.",
+    )
     fallback_reason: str | None = None
     curve: list[CurvePoint] = Field(default_factory=list, description="Predicted peak bytes by batch size.")
 

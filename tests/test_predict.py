@@ -11,6 +11,7 @@ from autotune.budget import BudgetDevice
 from autotune.predict import EnvelopeModel, StorageModel, Timeline, predict, record_trial
 from autotune.probe import ProbeRequest, run_probe
 from autotune.results import ProbeResult
+from autotune.search import search
 from autotune.trial import TrialRunner
 from autotune.workload import resolve
 
@@ -187,3 +188,43 @@ def test_envelope_answer_is_the_largest_batch_under_the_limit(lines: list[tuple[
     assert answer == 0 or fits(answer)
     assert not fits(answer + 1)
     assert all(not fits(b) for b in range(answer + 1, answer + 50))
+
+
+# A device that reserves more than it allocates, as CUDA's caching allocator does ----------------
+class _CachingBudgetDevice(BudgetDevice):
+    """Reports 25% more reserved than allocated bytes; its limit on allocated bytes is the
+    reserved limit / 1.25, so trials fail exactly where reserved bytes would pass the limit."""
+
+    FACTOR = 1.25
+
+    def __init__(self, reserved_limit: int) -> None:
+        super().__init__(reserved_limit, int(reserved_limit / self.FACTOR))
+
+    def peak_reserved_bytes(self) -> int:
+        return int(self.peak_allocated_bytes() * self.FACTOR)
+
+
+def test_a_caching_allocator_is_handled_by_one_refining_trial() -> None:
+    from autotune.predict import predicted_search
+
+    limit = 64 * MIB
+    device = _CachingBudgetDevice(limit)
+    runner = TrialRunner(resolve("cnn"), device, steps=2)
+    found = predicted_search(runner, device, limit_bytes=limit)
+    prediction, outcome = found.prediction, found.outcome
+    # Allocated bytes alone over-predict; the first guess's trial measured allocated/reserved.
+    assert prediction.first_guess is not None
+    assert prediction.first_guess > outcome.max_micro_batch
+    assert prediction.exact is True
+    by_batch = {t.batch: t for t in outcome.trials}
+    assert not by_batch[prediction.first_guess].fits
+    assert by_batch[outcome.max_micro_batch].fits and not by_batch[outcome.max_micro_batch + 1].fits
+    assert len(outcome.trials) == len(by_batch) == 5  # 2 probes, the first guess, 2 verifying trials
+    # The same answer as a plain search on a device capped at the allocated equivalent.
+    plain = search(TrialRunner(resolve("cnn"), BudgetDevice(limit, int(limit / 1.25)), steps=2))
+    assert plain.max_micro_batch == outcome.max_micro_batch
+
+
+def test_the_budget_device_needs_no_refining_trial() -> None:
+    result = _probe("plain")
+    assert result.prediction is not None and result.prediction.first_guess is None
