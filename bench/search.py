@@ -422,6 +422,7 @@ def bench(
                     continue
                 clean()
                 run = RUNNERS[method](name, workload, budget, true)
+                run.budget_mib = mib  # as asked, not as rounded to bytes
                 runs.append(run)
                 print(
                     f"{name:4} {mib:6g} MiB  {method:10}  found {run.found!s:>5} true {true:>5}  "

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -105,3 +107,16 @@ def test_the_cli_prints_an_estimate_and_json() -> None:
     assert text.returncode == 0, text.stderr
     assert "estimated max micro-batch" in text.stdout and "an estimate" in text.stdout
     assert "predicted peak memory" in text.stdout
+
+
+def test_the_readme_estimate_commands_run_as_written() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = re.search(r"^## Estimating without a GPU\n(.*?)(?=^## )", readme, re.S | re.M)
+    assert section, "README has no estimate section"
+    blocks = re.findall(r"```console\n(.*?)```", section.group(1), re.S)
+    commands = [line[2:] for block in blocks for line in block.splitlines() if line.startswith("$ ")]
+    assert commands and all(c.startswith("autotune estimate ") for c in commands)
+    for command in commands:
+        args = shlex.split(command)[1:]
+        proc = subprocess.run([AUTOTUNE, *args], capture_output=True, text=True, timeout=300, check=False)
+        assert proc.returncode == 0, f"{command}: {proc.stderr}"
