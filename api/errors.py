@@ -36,6 +36,10 @@ class NotFoundError(AutotuneError):
     """An unknown probe id or result fingerprint (HTTP 404)."""
 
 
+class ProbeNotFinishedError(AutotuneError):
+    """What was asked for exists once the probe has succeeded (HTTP 409 until then)."""
+
+
 def _printable(value: Any, depth: int = 0) -> Any:
     """A JSON-safe, bounded rendering of a request's input, for error messages."""
     if value is None or isinstance(value, bool | int):

@@ -16,11 +16,12 @@ from collections import OrderedDict
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response, status
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from api.devices import snapshot
-from api.errors import NotFoundError
+from api.errors import NotFoundError, ProbeNotFinishedError
 from api.schemas import (
     BudgetDeviceView,
     DevicesView,
@@ -234,6 +235,25 @@ async def get_probe(probe_id: str, svc: ServiceDep) -> ProbeView:
     if view is None:
         raise NotFoundError(f"no probe {probe_id[:64]!r}: probe ids come from POST /v1/probes")
     return view
+
+
+@router.get(
+    "/probes/{probe_id}/plot.png",
+    response_class=Response,
+    responses={200: {"content": {"image/png": {}}, "description": "The memory-vs-batch picture"}},
+    summary="A finished probe's trials, predicted curve, budget, headroom and answer, as PNG",
+)
+async def get_probe_plot(probe_id: str, svc: ServiceDep) -> Response:
+    view = svc.job_view(probe_id) if _JOB_ID.match(probe_id) else None
+    if view is None:
+        raise NotFoundError(f"no probe {probe_id[:64]!r}: probe ids come from POST /v1/probes")
+    if view.result is None:
+        raise ProbeNotFinishedError(f"probe {probe_id} is {view.status}: its picture exists once it has succeeded")
+    from autotune.plot import render_plot
+
+    # Rendering takes tens of milliseconds of CPU: off the event loop.
+    png = await run_in_threadpool(render_plot, view.result)
+    return Response(content=png, media_type="image/png")
 
 
 # Results -----------------------------------------------------------------------------------------

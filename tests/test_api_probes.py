@@ -60,6 +60,13 @@ def test_probe_then_poll_then_plan(server: Server, client: httpx.Client) -> None
     assert body["plan"]["micro_batches"] == [16, 16, 16, 16]
     assert body["plan"]["loss_weights"] == [0.25] * 4
 
+    picture = client.get(f"/v1/probes/{probe_id}/plot.png")
+    assert picture.status_code == 200, picture.text
+    assert picture.headers["content-type"] == "image/png"
+    assert picture.content.startswith(b"\x89PNG\r\n\x1a\n")
+    missing = client.get("/v1/probes/" + "0" * 32 + "/plot.png")
+    assert missing.status_code == 404
+
     ragged = client.get("/v1/plan", params={"workload": "tiny", "effective_batch": 100, "world_size": 2})
     assert ragged.json()["plan"]["micro_batches"] == [13, 13, 12, 12]  # 50 per rank in 4 steps
     exact = client.get("/v1/plan", params={"workload": "tiny", "effective_batch": 100, "policy": "exact"})
