@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from autotune.plan import Plan
 
@@ -38,8 +38,10 @@ class TrialRecord(BaseModel):
     )
     oom_message: str | None = Field(default=None, description="First line of the OOM error, for failed trials.")
 
+    @computed_field  # type: ignore[prop-decorator]
     @property
     def samples_per_second(self) -> float | None:
+        """Throughput of the steady-state step, for fitting trials."""
         if not self.fits or not self.step_seconds:
             return None
         return self.batch / self.step_seconds
