@@ -121,3 +121,15 @@ def test_cap_below_granularity_is_a_config_error() -> None:
 def test_search_and_plan_do_not_import_torch() -> None:
     code = "import sys, autotune.search, autotune.plan; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_guess_off_by_a_few_percent_is_bracketed_in_proportion() -> None:
+    # Measured on an H100: predicted 5995, verified 6144 (2.5% off).
+    fits = Threshold(6144)
+    outcome = search_from_guess(fits, 5995)
+    assert outcome.max_micro_batch == 6144
+    assert fits.asked[:2] == [5995, 5996]  # a right guess would have stopped here
+    assert len(fits.asked) <= 12  # one sample at a time, then doubling, took 16
+    under = Threshold(5800)
+    assert search_from_guess(under, 5995).max_micro_batch == 5800
+    assert len(under.asked) <= 14  # 16 the old way
