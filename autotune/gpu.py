@@ -67,6 +67,18 @@ class CudaDevice:
         torch.cuda.reset_peak_memory_stats(self.index)
 
     def empty_cache(self) -> None:
+        """Leave the allocator as a fresh process finds it after building the model.
+
+        cuBLAS keeps its workspaces (about 64 MiB on an H100) allocated through the caching
+        allocator from the first matmul on. In the job's fresh process they are allocated in the
+        middle of its first step, among the step's tensors, where they change how the allocator
+        splits its blocks; kept from an earlier trial they sit apart. With activations of several
+        GiB each, one split block more or less is a whole extra segment, so every trial starts
+        without them, as the job does.
+        """
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_workspaces is not None:
+            clear_workspaces()
         torch.cuda.empty_cache()
 
     def synchronize(self) -> None:

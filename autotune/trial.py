@@ -149,11 +149,12 @@ class TrialRunner:
         with torch.no_grad():
             for tensor, saved in zip(self._state, self._snapshot, strict=True):
                 tensor.copy_(saved)
+        self.device.empty_cache()
         if self.device.live_bytes() > self.baseline_bytes:
             # Only a reference cycle can still hold the step's tensors; a full collection costs
             # ~0.2 s with torch imported, so pay it only when memory says it is needed.
             gc.collect()
-        self.device.empty_cache()
+            self.device.empty_cache()
         self.device.reset_peak()
         self.last_leak_bytes = self.device.live_bytes() - self.baseline_bytes
 

@@ -57,3 +57,17 @@ def test_isolated_probe_never_initializes_cuda_in_the_parent() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stderr
     assert "parent initialized CUDA: False" in proc.stdout
+
+
+def test_every_trial_starts_from_the_allocator_state_of_a_fresh_process() -> None:
+    import torch
+
+    from autotune.examples import gpt
+    from autotune.gpu import CudaDevice
+    from autotune.trial import TrialRunner
+
+    runner = TrialRunner(gpt(), CudaDevice(0, limit_bytes=4 * GIB))
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    assert runner(8).fits  # its first matmuls allocate cuBLAS workspaces
+    assert torch.cuda.memory_allocated() == allocated
+    assert torch.cuda.memory_reserved() <= reserved
