@@ -38,20 +38,6 @@ log = logging.getLogger(__name__)
 Fallback = Literal["local", "error"]
 MAX_WAIT = 30.0  # seconds one plan query asks the service to block (the service allows 60)
 
-_PROBE_ERRORS: dict[str, type[errors.AutotuneError]] = {
-    cls.__name__: cls
-    for cls in (
-        errors.ProbeError,
-        errors.ProbeCrashedError,
-        errors.ProbeTimeoutError,
-        errors.InsufficientMemoryError,
-        errors.ConfigError,
-        errors.WorkloadError,
-        errors.PlanError,
-        errors.DeviceError,
-    )
-}
-
 
 class _Unreachable(errors.ServiceUnavailableError):
     """The service could not be reached or answered 5xx: what `fallback="local"` covers."""
@@ -328,13 +314,9 @@ def _detail(response: httpx.Response) -> str:
 def _probe_error(probe: dict[str, Any], detail: str | None = None) -> errors.AutotuneError:
     error = probe.get("error") or {}
     message = error.get("message") or detail or "the probe failed"
-    kind = str(error.get("type", ""))
-    text = f"the service's probe {probe.get('id')} failed: {message}"
-    if kind == "NothingFitsError":
-        return errors.NothingFitsError(text, peak_bytes=None, limit_bytes=0)
-    if kind == "NotAnOOMError":
-        return errors.NotAnOOMError(text, batch=0, original=message)
-    return _PROBE_ERRORS.get(kind, errors.ProbeError)(text)
+    return errors.from_report(
+        {"original": message, **error}, f"the service's probe {probe.get('id')} failed: {message}"
+    )
 
 
 def _policy(policy: Policy | str) -> Policy:

@@ -20,6 +20,9 @@ Messages say what was wrong and how to fix it; they never carry a traceback to t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 
 class AutotuneError(Exception):
     """Base of every error autotune raises on purpose."""
@@ -89,3 +92,39 @@ class ServiceUnavailableError(ServiceError):
 
 class AuthError(ServiceError):
     """The service refused the token (HTTP 401)."""
+
+
+def report(exc: AutotuneError) -> dict[str, Any]:
+    """An error as plain data (its class name, message and details), to cross a pipe or HTTP."""
+    data: dict[str, Any] = {"type": type(exc).__name__, "message": str(exc)}
+    if isinstance(exc, NothingFitsError):
+        data.update(peak_bytes=exc.peak_bytes, limit_bytes=exc.limit_bytes)
+    elif isinstance(exc, NotAnOOMError):
+        data.update(batch=exc.batch, original=exc.original)
+    return data
+
+
+def _probe_side() -> dict[str, type[AutotuneError]]:
+    # What a probe can raise: bad input, a probe that could not answer, a missing device.
+    found: dict[str, type[AutotuneError]] = {}
+    pending: list[type[AutotuneError]] = [ConfigError, ProbeError, DeviceError]
+    while pending:
+        cls = pending.pop()
+        found[cls.__name__] = cls
+        pending.extend(cls.__subclasses__())
+    return found
+
+
+def from_report(data: Mapping[str, Any], message: str | None = None) -> AutotuneError:
+    """Rebuild an error from `report`'s data; an unknown type becomes a ProbeError.
+
+    `message` replaces the reported one (to say where the error came from)."""
+    cls = _probe_side().get(str(data.get("type", "")), ProbeError)
+    text = message if message is not None else str(data.get("message", "the probe failed"))
+    if cls is NothingFitsError:
+        return NothingFitsError(text, peak_bytes=data.get("peak_bytes"), limit_bytes=data.get("limit_bytes") or 0)
+    if cls is NotAnOOMError:
+        return NotAnOOMError(
+            text, batch=data.get("batch") or 0, original=str(data.get("original", data.get("message", "")))
+        )
+    return cls(text)

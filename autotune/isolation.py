@@ -21,21 +21,6 @@ from autotune import errors
 from autotune.probe import ProbeRequest, TrialCallback, run_probe
 from autotune.results import ProbeResult, TrialRecord
 
-# Our errors the child may report; anything else arrives as a ProbeError.
-_ERRORS: dict[str, type[errors.AutotuneError]] = {
-    cls.__name__: cls
-    for cls in (
-        errors.ConfigError,
-        errors.WorkloadError,
-        errors.PlanError,
-        errors.ProbeError,
-        errors.NothingFitsError,
-        errors.NotAnOOMError,
-        errors.InsufficientMemoryError,
-        errors.DeviceError,
-    )
-}
-
 
 def _watch_parent(parent_pid: int) -> None:
     # A child whose parent was killed must not hold a GPU forever.
@@ -52,7 +37,7 @@ def _child_main(payload: dict[str, Any], conn: Connection, parent_pid: int) -> N
         result = run_probe(request, on_trial=lambda t: conn.send(("trial", t.model_dump(mode="json"))))
         conn.send(("result", result.model_dump(mode="json")))
     except errors.AutotuneError as exc:
-        conn.send(("error", {"type": type(exc).__name__, "message": str(exc), **_extra(exc)}))
+        conn.send(("error", errors.report(exc)))
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises ProbeError
         conn.send(
             (
@@ -62,26 +47,6 @@ def _child_main(payload: dict[str, Any], conn: Connection, parent_pid: int) -> N
         )
     finally:
         conn.close()
-
-
-def _extra(exc: errors.AutotuneError) -> dict[str, Any]:
-    if isinstance(exc, errors.NothingFitsError):
-        return {"peak_bytes": exc.peak_bytes, "limit_bytes": exc.limit_bytes}
-    if isinstance(exc, errors.NotAnOOMError):
-        return {"batch": exc.batch, "original": exc.original}
-    return {}
-
-
-def _rebuild(info: dict[str, Any]) -> errors.AutotuneError:
-    cls = _ERRORS.get(info.get("type", ""), errors.ProbeError)
-    message = str(info.get("message", "probe failed"))
-    if cls is errors.NothingFitsError:
-        return errors.NothingFitsError(
-            message, peak_bytes=info.get("peak_bytes"), limit_bytes=info.get("limit_bytes", 0)
-        )
-    if cls is errors.NotAnOOMError:
-        return errors.NotAnOOMError(message, batch=info.get("batch", 0), original=info.get("original", ""))
-    return cls(message)
 
 
 def _describe_exit(code: int | None) -> str:
@@ -135,7 +100,7 @@ def run_isolated(
             elif kind == "result":
                 return ProbeResult.model_validate(payload)
             else:
-                raise _rebuild(payload)
+                raise errors.from_report(payload)
         process.join(timeout=10)
         raise errors.ProbeCrashedError(
             f"the probe process {_describe_exit(process.exitcode)} after {trials} trial(s) "
