@@ -36,6 +36,7 @@ async def readyz(request: Request) -> Response:
         devices=devices,
         results=len(svc.results),
         problems=problems,
+        gpus=None if svc.devices.snapshot.devices else svc.devices.snapshot.reason,
     )
     code = status.HTTP_200_OK if not problems else status.HTTP_503_SERVICE_UNAVAILABLE
     return Response(view.model_dump_json(), code, media_type="application/json")

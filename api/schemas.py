@@ -263,6 +263,11 @@ class Readiness(BaseModel):
     devices: list[str]
     results: int = Field(description="Request keys with a stored result, held in memory.")
     problems: list[str] = Field(default_factory=list)
+    gpus: str | None = Field(
+        default=None,
+        description="Why no GPU is listed (no NVML library, no driver, no permission...): the node "
+        "still serves the CPU budget device and stored results, so it is ready.",
+    )
 
 
 class ErrorView(BaseModel):

@@ -114,6 +114,7 @@ def test_devices_lists_the_gpus_as_cuda_will_number_them(tmp_path: Path) -> None
         assert answer["gpus"][0]["reserved_bytes"] == GiB // 2
         assert answer["budget_device"]["id"] == "cpu"
         assert (await client.get("/readyz")).json()["devices"] == ["cuda:0", "cuda:1", "cpu"]
+        assert (await client.get("/readyz")).json()["gpus"] is None
 
     _run(tmp_path, FakeRunner(), body)
 

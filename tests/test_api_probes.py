@@ -168,6 +168,7 @@ def test_health_readiness_metrics_and_openapi(client: httpx.Client) -> None:
     assert ready.status_code == 200
     assert ready.json()["store"] is True
     assert ready.json()["devices"] == ["cpu"]
+    assert ready.json()["gpus"], "readiness must say why no GPU is listed"
     text = client.get("/metrics").text
     for name in (
         "autotune_probes_total",
