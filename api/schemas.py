@@ -60,7 +60,7 @@ def headroom_value(value: object) -> float | int | None:
         return value
     try:
         return parse_headroom(value)
-    except (ConfigError, OverflowError) as exc:
+    except ConfigError as exc:
         raise ValueError(str(exc)) from None
 
 

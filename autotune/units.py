@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from autotune.errors import ConfigError
@@ -61,7 +62,7 @@ def parse_headroom(text: str | float) -> float | int:
                 fraction = float(stripped)
             except ValueError:
                 return parse_size(stripped)
-            if fraction >= 1:
+            if fraction >= 1 and math.isfinite(fraction):
                 return int(fraction)  # a bare number >= 1 is a byte count
     if not 0 <= fraction < 1:
         raise ConfigError(f"headroom fraction must be in [0, 1), got {fraction}: write 0.05, 5% or a size like 2GiB")
