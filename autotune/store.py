@@ -164,7 +164,14 @@ class Store:
                 except BaseException:
                     self._db.execute("ROLLBACK")
                     raise
-                self._db.execute("COMMIT")
+                try:
+                    self._db.execute("COMMIT")
+                except sqlite3.Error:
+                    # A failed COMMIT (disk full, I/O error) leaves the transaction open: end it,
+                    # or every later BEGIN fails with "cannot start a transaction within a transaction".
+                    if self._db.in_transaction:
+                        self._db.execute("ROLLBACK")
+                    raise
             except sqlite3.Error as exc:
                 raise StoreError(f"database {self.path}: {exc}") from None
 

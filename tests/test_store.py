@@ -201,3 +201,16 @@ def test_workers_and_the_event_loop_can_write_at_once(store: Store) -> None:
         job = store.get_job(f"j{n}")
         assert job is not None
         assert [t.batch for t in job.trials] == list(range(1, 51))
+
+
+def test_a_failed_commit_does_not_leave_the_store_inside_a_transaction(store: Store) -> None:
+    # A deferred foreign key makes COMMIT itself fail, as a full disk would.
+    def orphan_trial() -> None:
+        with store._transaction() as db:
+            db.execute("PRAGMA defer_foreign_keys=ON")
+            db.execute("INSERT INTO trials(job_id, seq, document) VALUES ('no-such-job', 1, '{}')")
+
+    with pytest.raises(StoreError, match="FOREIGN KEY"):
+        orphan_trial()
+    store.create_job(_job("j1"))
+    assert store.count_jobs() == 1
