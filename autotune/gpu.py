@@ -31,10 +31,7 @@ class CudaDevice:
     kind = "cuda"
 
     def __init__(self, index: int, limit_bytes: int) -> None:
-        if not torch.cuda.is_available():
-            raise DeviceError("CUDA is not available: use --device cpu for the budget device")
-        if not 0 <= index < torch.cuda.device_count():
-            raise DeviceError(f"cuda:{index} does not exist: this process sees {torch.cuda.device_count()} GPU(s)")
+        _check_index(index)
         self.index = index
         self.torch_device = torch.device("cuda", index)
         props = torch.cuda.get_device_properties(index)
@@ -99,7 +96,13 @@ def _uuid(props: object) -> str | None:
 
 def card_memory(index: int) -> tuple[int, int]:
     """(free, total) bytes of a CUDA device as the driver reports them."""
-    if not torch.cuda.is_available():
-        raise DeviceError("CUDA is not available: use --device cpu for the budget device")
+    _check_index(index)
     free, total = torch.cuda.mem_get_info(index)
     return int(free), int(total)
+
+
+def _check_index(index: int) -> None:
+    if not torch.cuda.is_available():
+        raise DeviceError("CUDA is not available: use --device cpu for the budget device")
+    if not 0 <= index < torch.cuda.device_count():
+        raise DeviceError(f"cuda:{index} does not exist: this process sees {torch.cuda.device_count()} GPU(s)")
