@@ -44,10 +44,6 @@ class CudaDevice:
         torch.cuda.set_device(index)
         torch.cuda.set_per_process_memory_fraction(limit_bytes / self.total_bytes, index)
 
-    def free_bytes(self) -> int:
-        free, _total = torch.cuda.mem_get_info(self.index)
-        return int(free)
-
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         """The allocator already counts every tensor on the device."""
 
