@@ -33,6 +33,7 @@ from pydantic import BaseModel, Field
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autotune import probe
 from autotune.budget import BudgetDevice
 from autotune.errors import ConfigError, NotAnOOMError, WorkloadError
 from autotune.predict import predicted_search
@@ -128,7 +129,7 @@ def estimate(
     started = time.perf_counter()
     workload = resolve(target, options or {}).with_overrides(precision=precision, optimizer=optimizer)
     room = get_settings().headroom if headroom is None else headroom
-    headroom_bytes = int(memory_bytes * room) if isinstance(room, float) else int(room)
+    headroom_bytes = probe.headroom_bytes(memory_bytes, room)
     limit = memory_bytes - headroom_bytes - overhead_bytes
     if limit <= 0:
         raise ConfigError(
