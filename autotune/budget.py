@@ -148,8 +148,10 @@ class _BudgetMode(TorchDispatchMode):
         counter = self.counter
         inputs, _ = tree_flatten((args, kwargs))
         for value in inputs:
-            if isinstance(value, torch.Tensor) and id(value.untyped_storage()) not in counter.sizes:
-                counter.add(value.untyped_storage())
+            if isinstance(value, torch.Tensor):
+                storage = value.untyped_storage()
+                if id(storage) not in counter.sizes:
+                    counter.add(storage)
         before = counter.live
         out = func(*args, **(kwargs or {}))
         outputs, _ = tree_flatten(out)
