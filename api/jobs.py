@@ -146,7 +146,7 @@ class ProbeManager:
 
     def depth(self, device: str) -> int:
         with self._lock:
-            return sum(1 for job in self._jobs.values() if job.record.device == device)
+            return self._depth(device)
 
     def close(self) -> None:
         """Stop taking jobs; mark the queued and running ones failed (interrupted)."""
@@ -253,10 +253,13 @@ class ProbeManager:
         with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting any more
             loop.call_soon_threadsafe(job.done.set)
 
+    def _depth(self, device: str) -> int:
+        # Called with the lock held.
+        return sum(1 for job in self._jobs.values() if job.record.device == device)
+
     def _update_depth(self, device: str) -> None:
         # Called with the lock held.
-        depth = sum(1 for job in self._jobs.values() if job.record.device == device)
-        self._metrics.queue_depth.labels(device).set(depth)
+        self._metrics.queue_depth.labels(device).set(self._depth(device))
 
     def _snapshot(self, job: _Job) -> JobRecord:
         # Called with the lock held: a copy the caller may read while the worker goes on.
