@@ -94,8 +94,14 @@ class TrialRunner:
             reason = oom.classify(exc)
             if reason is not None and reason.kind is oom.OOMKind.OOM:
                 failure = reason.message
+            elif reason is not None:
+                not_oom = (
+                    f"an ambiguous error, not counted as out-of-memory: {type(exc).__name__}: {exc} "
+                    "(cuDNN and CUDA report it both for inputs they do not support and for "
+                    "workspaces they could not allocate; check the input, or probe with more headroom)"
+                )
             else:
-                not_oom = f"{type(exc).__name__}: {exc}"
+                not_oom = f"an error that is not out-of-memory: {type(exc).__name__}: {exc}"
             oom.release(exc)
         seconds = time.perf_counter() - started
         peak_allocated = self.device.peak_allocated_bytes()
@@ -103,7 +109,7 @@ class TrialRunner:
         self.recover()
         if not_oom is not None:
             raise NotAnOOMError(
-                f"batch {batch} failed with an error that is not out-of-memory: {not_oom}",
+                f"batch {batch} failed with {not_oom}",
                 batch=batch,
                 original=not_oom,
             )

@@ -9,7 +9,7 @@ from autotune.budget import BudgetDevice
 from autotune.errors import NotAnOOMError
 from autotune.examples import gpt
 from autotune.trial import TrialRunner
-from tests.workloads import broken
+from tests.workloads import ambiguous, broken
 
 
 def _runner(limit_mib: int, workload=None) -> TrialRunner:  # type: ignore[no-untyped-def]
@@ -90,3 +90,12 @@ def test_one_hundred_ooms_on_cuda_leak_nothing() -> None:
         assert torch.cuda.memory_allocated() == baseline
     assert runner(1).fits
     torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def test_an_ambiguous_error_stops_the_probe_as_its_own_reason() -> None:
+    runner = TrialRunner(ambiguous(), BudgetDevice(2**30))
+    with pytest.raises(
+        NotAnOOMError, match=r"ambiguous error, not counted as out-of-memory: .*CUDNN_STATUS_NOT_SUPPORTED"
+    ):
+        runner(2)
+    assert runner.device.live_bytes() == runner.baseline_bytes

@@ -65,3 +65,14 @@ def ragged(threshold: int = 40, width: int = 64) -> Workload:
         optimizer="adam",
         input_spec={"threshold": threshold, "width": width},
     )
+
+
+def _raise_cudnn_not_supported(b: int) -> None:
+    if b >= 2:
+        raise RuntimeError(
+            "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input."
+        )
+
+
+def ambiguous() -> Workload:
+    return _tiny(_raise_cudnn_not_supported)
