@@ -44,5 +44,9 @@ async def readyz(request: Request) -> Response:
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
 async def metrics(request: Request) -> Response:
-    svc: Service = request.app.state.service
+    svc: Service | None = getattr(request.app.state, "service", None)
+    if svc is None:  # before start-up finished or after shutdown began
+        return Response(
+            "# starting up or shutting down\n", status.HTTP_503_SERVICE_UNAVAILABLE, media_type=CONTENT_TYPE
+        )
     return Response(svc.metrics.render(), media_type=CONTENT_TYPE)

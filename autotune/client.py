@@ -171,8 +171,17 @@ class AutotuneClient:
         return str(answer["fingerprint"])
 
     def workloads(self) -> list[dict[str, Any]]:
-        answer = self._send("GET", "/v1/workloads").json()
-        return list(answer)
+        response = self._send("GET", "/v1/workloads")
+        try:
+            answer = response.json()
+        except ValueError:
+            answer = None
+        if not isinstance(answer, list):
+            raise errors.ServiceError(
+                f"the service answered {response.status_code} without a list of workloads",
+                status_code=response.status_code,
+            )
+        return answer
 
     def devices(self) -> dict[str, Any]:
         return self._json(self._send("GET", "/v1/devices"))

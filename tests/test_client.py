@@ -251,3 +251,12 @@ def test_publish_needs_a_url() -> None:
     )
     assert bad.returncode == 2
     assert "--publish" in bad.stderr
+
+
+def test_a_workloads_answer_that_is_not_a_list_is_a_service_error() -> None:
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, text="<html>proxy error</html>"))
+    with (
+        AutotuneClient("http://autotune.invalid", transport=transport) as client,
+        pytest.raises(errors.ServiceError, match="without a list of workloads"),
+    ):
+        client.workloads()
