@@ -17,7 +17,7 @@ from rich.table import Table
 
 from autotune import __version__
 from autotune.errors import AutotuneError, ConfigError
-from autotune.plan import Plan, Policy, plan
+from autotune.plan import Plan, Policy, parse_policy, plan
 from autotune.probe import ProbeRequest, load_workload, run_probe
 from autotune.results import ProbeResult, TrialRecord
 from autotune.settings import get_settings
@@ -173,7 +173,7 @@ def probe(
                 granularity=granularity,
                 effective_batch=effective_batch,
                 world_size=world_size,
-                policy=_policy(policy),
+                policy=parse_policy(policy),
                 min_free_memory=parse_size(min_free_memory) if min_free_memory else None,
                 search=_choice(search, ("plain", "predict"), "--search"),
                 objective=_choice(objective, ("memory", "throughput"), "--objective"),
@@ -270,7 +270,7 @@ def plan_command(
     json_output: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
     """Plan micro-batches and accumulation steps for an effective batch."""
-    p = plan(effective_batch, max_micro_batch, world_size, _policy(policy))
+    p = plan(effective_batch, max_micro_batch, world_size, parse_policy(policy))
     if json_output:
         sys.stdout.write(p.model_dump_json(indent=2) + "\n")
     else:
@@ -392,13 +392,6 @@ def _overhead(text: str | None, default: int) -> int:
 def version() -> None:
     """Print the version."""
     out.print(__version__)
-
-
-def _policy(text: str) -> Policy:
-    try:
-        return Policy(text)
-    except ValueError:
-        raise ConfigError(f"unknown policy {text!r}: choose fewest-steps or exact") from None
 
 
 def _choice(value: str | None, choices: tuple[str, ...], flag: str) -> str | None:

@@ -30,7 +30,7 @@ from typing import Any, Literal
 import httpx
 
 from autotune import errors
-from autotune.plan import Plan, Policy
+from autotune.plan import Plan, Policy, parse_policy
 from autotune.results import ProbeResult
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class AutotuneClient:
         ServiceError, ServiceUnavailableError, or the ProbeError the probe failed with."""
         if fallback not in ("local", "error"):
             raise errors.ConfigError(f"fallback must be 'local' or 'error', not {fallback!r}")
-        policy = _policy(policy)
+        policy = parse_policy(policy)
         params: dict[str, Any] = {"workload": workload, "effective_batch": effective_batch, "world_size": world_size}
         params["policy"] = policy.value
         options = {"device": device, "memory": memory, "headroom": headroom, "precision": precision}
@@ -326,13 +326,6 @@ def _probe_error(probe: dict[str, Any], detail: str | None = None) -> errors.Aut
     return errors.from_report(
         {"original": message, **error}, f"the service's probe {probe.get('id')} failed: {message}"
     )
-
-
-def _policy(policy: Policy | str) -> Policy:
-    try:
-        return Policy(policy)
-    except ValueError:
-        raise errors.PlanError(f"unknown policy {policy!r}: choose fewest-steps or exact") from None
 
 
 def publish_result(url: str, result: ProbeResult, token: str | None = None) -> str:

@@ -39,6 +39,15 @@ class Plan(BaseModel):
     warnings: list[str] = Field(default_factory=list)
 
 
+def parse_policy(policy: Policy | str) -> Policy:
+    """A policy from its name, or a PlanError naming the choices."""
+    try:
+        return Policy(policy)
+    except ValueError:
+        choices = ", ".join(p.value for p in Policy)
+        raise PlanError(f"unknown policy {policy!r}: choose one of {choices}") from None
+
+
 def _per_rank(effective_batch: int, max_micro_batch: int, world_size: int) -> int:
     if effective_batch < 1:
         raise PlanError(f"effective batch must be at least 1, got {effective_batch}")
@@ -96,11 +105,7 @@ def plan(
     fewest-steps: a = ceil(E / (W·max)) steps whose sizes differ by at most one.
     exact: one micro-batch size m for every step with m·a·W == E, fewest steps a.
     """
-    try:
-        policy = Policy(policy)
-    except ValueError:
-        choices = ", ".join(p.value for p in Policy)
-        raise PlanError(f"unknown policy {policy!r}: choose one of {choices}") from None
+    policy = parse_policy(policy)
     per_rank = _per_rank(effective_batch, max_micro_batch, world_size)
     fewest = _fewest_steps(per_rank, max_micro_batch)
 
