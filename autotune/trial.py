@@ -172,9 +172,10 @@ def _build(workload: Workload, device: ProbeDevice) -> nn.Module:
         with device.active():
             return workload.build_model().to(device.torch_device)
     except Exception as exc:  # classified here; anything but an OOM propagates
-        if not oom.is_oom(exc):
+        reason = oom.classify(exc)
+        if reason is None or reason.kind is not oom.OOMKind.OOM:
             raise
-        failure = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        failure = reason.message
         oom.release(exc)
     needed = device.peak_allocated_bytes()
     device.empty_cache()
