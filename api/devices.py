@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotune.errors import ConfigError, DeviceError
+from autotune.probe import parse_device
 from autotune.probekey import DeviceKey
 
 log = logging.getLogger(__name__)
@@ -149,13 +150,10 @@ class DeviceCatalog:
 
     def resolve(self, spec: str | None) -> str:
         """A request's device as an id: `cpu` or `cuda:N`. NoDeviceError when it is not here."""
-        text = (spec or self.default()).strip().lower()
-        if text == "cuda":
-            text = "cuda:0"
-        if text == "cpu":
-            return text
-        if not text.startswith("cuda:") or not text[5:].isdigit():
-            raise ConfigError(f"unknown device {spec!r}: use cpu, cuda or cuda:N")
+        kind, index = parse_device(spec or self.default())
+        if kind == "cpu":
+            return "cpu"
+        text = f"cuda:{index}"
         if text not in self._by_id:
             have = len(self.snapshot.devices)
             why = self.snapshot.reason or f"this node has {have} GPU(s): cuda:0 to cuda:{have - 1}"

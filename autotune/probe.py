@@ -70,19 +70,20 @@ class ProbeRequest(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> ProbeRequest:
         if self.device is not None:
-            _parse_device(self.device)
+            parse_device(self.device)
         if isinstance(self.headroom, float) and not 0 <= self.headroom < 1:
             raise ValueError("headroom fraction must be in [0, 1)")
         return self
 
 
-def _parse_device(spec: str) -> tuple[str, int]:
+def parse_device(spec: str) -> tuple[str, int]:
+    """("cpu", 0) or ("cuda", N) from cpu, cuda or cuda:N; a ConfigError otherwise."""
     text = spec.strip().lower()
     if text == "cpu":
         return "cpu", 0
     if text == "cuda":
         return "cuda", 0
-    if text.startswith("cuda:") and text[5:].isdigit():
+    if text.startswith("cuda:") and text[5:].isascii() and text[5:].isdigit():
         return "cuda", int(text[5:])
     raise ConfigError(f"unknown device {spec!r}: use cuda, cuda:N or cpu")
 
@@ -96,7 +97,7 @@ def headroom_bytes(budget_bytes: int, headroom: float | int) -> int:
 def resolve_device_kind(request: ProbeRequest) -> tuple[str, int]:
     if request.device is None:
         return ("cuda", 0) if gpu.cuda_available() else ("cpu", 0)
-    return _parse_device(request.device)
+    return parse_device(request.device)
 
 
 def open_device(request: ProbeRequest) -> tuple[ProbeDevice, str, int, int]:
