@@ -91,6 +91,7 @@ def test_a_non_oom_failure_keeps_the_original_message() -> None:
         ({"target": "tests.workloads:not_a_workload"}, WorkloadError, "returned int, not a Workload"),
         ({"target": "gpt", "options": {"depth": 3}}, WorkloadError, "bad options"),
         ({"target": "gpt", "device": "tpu"}, ConfigError, "unknown device 'tpu'"),
+        ({"target": "gpt", "device": "cuda:²"}, ConfigError, "unknown device 'cuda:²'"),
         ({"target": "gpt", "device": "cpu", "headroom": "1GiB", "memory": "512MiB"}, ConfigError, "leaves nothing"),
     ],
 )
