@@ -64,7 +64,21 @@ def headroom_value(value: object) -> float | int | None:
         raise ValueError(str(exc)) from None
 
 
-class ProbeCreate(BaseModel):
+class _MemoryFields(BaseModel):
+    """Parses the `memory` and `headroom` that probe requests and plan queries both take."""
+
+    @field_validator("memory", mode="before", check_fields=False)
+    @classmethod
+    def _memory(cls, value: object) -> int | None:
+        return size_value(value)
+
+    @field_validator("headroom", mode="before", check_fields=False)
+    @classmethod
+    def _headroom(cls, value: object) -> float | int | None:
+        return headroom_value(value)
+
+
+class ProbeCreate(_MemoryFields):
     """`POST /v1/probes`: probe a registered workload. Omitted fields take the server's defaults
     (AUTOTUNE_* settings) and the workload's registered ones."""
 
@@ -88,18 +102,8 @@ class ProbeCreate(BaseModel):
     granularity: int | None = Field(default=None, ge=1, le=4096, description="Only try multiples of this.")
     refresh: bool = Field(default=False, description="Probe again even when a result is stored.")
 
-    @field_validator("memory", mode="before")
-    @classmethod
-    def _memory(cls, value: object) -> int | None:
-        return size_value(value)
 
-    @field_validator("headroom", mode="before")
-    @classmethod
-    def _headroom(cls, value: object) -> float | int | None:
-        return headroom_value(value)
-
-
-class PlanQuery(BaseModel):
+class PlanQuery(_MemoryFields):
     """`GET /v1/plan` query parameters. Parameters it does not know are ignored, as usual in a
     query string."""
 
@@ -115,16 +119,6 @@ class PlanQuery(BaseModel):
     wait: float = Field(
         default=0.0, ge=0, le=MAX_WAIT, allow_inf_nan=False, description="Seconds to wait for a probe to finish."
     )
-
-    @field_validator("memory", mode="before")
-    @classmethod
-    def _memory(cls, value: object) -> int | None:
-        return size_value(value)
-
-    @field_validator("headroom", mode="before")
-    @classmethod
-    def _headroom(cls, value: object) -> float | int | None:
-        return headroom_value(value)
 
 
 def query_parameters(model: type[BaseModel]) -> list[dict[str, Any]]:
