@@ -8,6 +8,12 @@ so the count is exact at every op, not sampled. Sizes are rounded up to 512 byte
 caching allocator rounds its blocks. When an op leaves more live bytes than the limit, the mode
 raises `torch.OutOfMemoryError`, the same class CUDA raises, from wherever the op ran.
 
+After an OOM the device behaves as a GPU does: the op that failed allocated nothing (its outputs
+are uncounted and dropped before the error leaves the mode, so the traceback holds none of them),
+an op that allocates nothing never raises, and the message starts as CUDA's
+(`CUDA out of memory. Tried to allocate ...`) so that code matching CUDA's text (Lightning's and
+Accelerate's finders, users' own handlers) treats it as an OOM. Code in an `except` block runs.
+
 Tensors created before the mode (the model's parameters and buffers) are registered with
 `track`; anything else is registered the first time an op reads it.
 """
@@ -46,15 +52,16 @@ class _Counter:
         # (autotune.predict) compares these across batch sizes.
         self.timeline: list[tuple[str, int | str, int]] | None = None
 
-    def add(self, storage: torch.UntypedStorage) -> None:
+    def add(self, storage: torch.UntypedStorage) -> int | None:
+        """Count `storage` at its current size; return what it was counted at before (None: new)."""
         key = id(storage)
         size = rounded(storage.nbytes())
         old = self.sizes.get(key)
         if old == size:
-            return
+            return old
         if old is None:
             if size == 0:
-                return
+                return None
             self.refs[key] = weakref.ref(storage, functools.partial(self._on_death, key))
             old = 0
         if self.timeline is not None:
@@ -66,6 +73,24 @@ class _Counter:
         self.live += size - old
         if self.live > self.peak:
             self.peak = self.live
+        return old or None
+
+    def undo(self, key: int, old: int | None) -> None:
+        """Forget what an op that ran out of memory allocated: as on CUDA, it got nothing."""
+        size = self.sizes.get(key)
+        if size is None:
+            return
+        if old is None:
+            self.sizes.pop(key)
+            self.refs.pop(key, None)
+            self.live -= size
+        else:
+            self.sizes[key] = old
+            self.live -= size - old
+        if self.timeline is not None:
+            self.timeline.append(("died", key, size))
+            if old is not None:
+                self.timeline.append(("born", key, old))
 
     def _on_death(self, key: int, _ref: object) -> None:
         self.drop(key)
@@ -155,16 +180,25 @@ class _BudgetMode(TorchDispatchMode):
         before = counter.live
         out = func(*args, **(kwargs or {}))
         outputs, _ = tree_flatten(out)
+        added: list[tuple[int, int | None]] = []
         for value in outputs:
             if isinstance(value, torch.Tensor):
-                counter.add(value.untyped_storage())
+                storage = value.untyped_storage()
+                added.append((id(storage), counter.add(storage)))
+        # Only an op that allocated can run out of memory: a view, an in-place op or a 0-byte
+        # result never raises, whatever is live (as on CUDA, where only an allocation fails).
+        if counter.live > self.limit and counter.live > before:
+            asked = counter.live - before
+            would_be = counter.live
+            for key, old in reversed(added):
+                counter.undo(key, old)
+            # Nothing of the failed op may outlive it: the traceback keeps this frame.
+            out = outputs = value = storage = None
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate {format_bytes(asked)}. "
+                f"(autotune's CPU budget device, not a GPU: {format_bytes(would_be)} would be live, "
+                f"limit {format_bytes(self.limit)}; in {func})"
+            )
         if counter.timeline is not None:
             counter.timeline.append(("op", str(func), counter.live))
-        if counter.live > self.limit:
-            asked = counter.live - before
-            live = counter.live
-            raise torch.OutOfMemoryError(
-                f"budget device out of memory. Tried to allocate {format_bytes(asked)} in "
-                f"{func}; {format_bytes(live)} would be live, limit {format_bytes(self.limit)}."
-            )
         return out

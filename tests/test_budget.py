@@ -60,11 +60,54 @@ def test_an_op_past_the_limit_raises_a_genuine_out_of_memory_error() -> None:
     device = BudgetDevice(total_bytes=1 << 20, limit_bytes=1 << 19)
     with device.active():
         small = torch.ones(1000)
-        with pytest.raises(torch.OutOfMemoryError, match="budget device out of memory") as info:
+        with pytest.raises(torch.OutOfMemoryError, match="CPU budget device") as info:
             torch.ones(1 << 18)  # 1 MiB
     assert isinstance(info.value, torch.cuda.OutOfMemoryError)
+    # Nothing of the failed op is counted, even while the exception (and its traceback) lives.
+    assert device.live_bytes() == rounded(small.nbytes)
     del info
     assert device.live_bytes() == rounded(small.nbytes)
+
+
+def test_the_message_reads_as_cudas_so_frameworks_see_an_oom() -> None:
+    device = BudgetDevice(total_bytes=1 << 20)
+    with device.active(), pytest.raises(torch.OutOfMemoryError) as info:
+        torch.ones(1 << 19)
+    text = str(info.value)
+    assert text.startswith("CUDA out of memory. Tried to allocate 2.0 MiB.")
+    # Lightning: one argument, "CUDA" and "out of memory"; Accelerate: " out of memory." with the period.
+    assert len(info.value.args) == 1 and "CUDA" in text and " out of memory." in text
+    assert "budget device" in text
+
+
+def test_code_in_an_except_block_runs_as_on_a_gpu() -> None:
+    device = BudgetDevice(total_bytes=1 << 20)
+    with device.active():
+        held = torch.ones(200_000)  # 800 KB of the 1 MiB
+        try:
+            torch.ones(100_000)  # 400 KB more: out of memory
+        except torch.OutOfMemoryError:
+            # Inside the block a GPU would have freed nothing and allocated nothing for the failed
+            # op: small allocations, views and 0-byte ops still run.
+            view = held[:10]
+            empty = torch.empty(0)
+            scalar = torch.zeros(())
+            recovered = torch.ones(1000)
+        assert view.shape == (10,) and empty.numel() == 0 and scalar.item() == 0 and recovered.sum() == 1000
+        assert device.live_bytes() == rounded(held.nbytes) + 512 + rounded(4000)  # the scalar: one block
+
+
+def test_an_op_that_allocates_nothing_never_raises_even_above_the_limit() -> None:
+    device = BudgetDevice(total_bytes=1 << 20, limit_bytes=1 << 20)
+    big = torch.ones(300_000)  # 1.2 MB, made outside the mode: the device is already over its limit
+    device.track([big])
+    with device.active():
+        big.mul_(2)  # in place: nothing new
+        part = big[:100].view(10, 10)  # a view: nothing new
+        nothing = big[:0].clone()  # 0 bytes
+        with pytest.raises(torch.OutOfMemoryError):
+            big[:10].clone()  # 512 B more than the limit allows
+    assert part.sum() == 200 and nothing.numel() == 0
 
 
 @pytest.mark.parametrize("phase", ["forward", "backward", "step"])
