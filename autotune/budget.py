@@ -179,12 +179,7 @@ class _BudgetMode(TorchDispatchMode):
                     counter.add(storage)
         before = counter.live
         out = func(*args, **(kwargs or {}))
-        outputs, _ = tree_flatten(out)
-        added: list[tuple[int, int | None]] = []
-        for value in outputs:
-            if isinstance(value, torch.Tensor):
-                storage = value.untyped_storage()
-                added.append((id(storage), counter.add(storage)))
+        added = _count_outputs(counter, out)
         # Only an op that allocated can run out of memory: a view, an in-place op or a 0-byte
         # result never raises, whatever is live (as on CUDA, where only an allocation fails).
         if counter.live > self.limit and counter.live > before:
@@ -193,7 +188,7 @@ class _BudgetMode(TorchDispatchMode):
             for key, old in reversed(added):
                 counter.undo(key, old)
             # Nothing of the failed op may outlive it: the traceback keeps this frame.
-            out = outputs = value = storage = None
+            del out
             raise torch.OutOfMemoryError(
                 f"CUDA out of memory. Tried to allocate {format_bytes(asked)}. "
                 f"(autotune's CPU budget device, not a GPU: {format_bytes(would_be)} would be live, "
@@ -202,3 +197,15 @@ class _BudgetMode(TorchDispatchMode):
         if counter.timeline is not None:
             counter.timeline.append(("op", str(func), counter.live))
         return out
+
+
+def _count_outputs(counter: _Counter, out: Any) -> list[tuple[int, int | None]]:
+    """Count an op's outputs; return (storage key, what it was counted at before) for each.
+
+    A function of its own so that no local of the op's frame keeps an output alive after an OOM."""
+    added: list[tuple[int, int | None]] = []
+    for value in tree_flatten(out)[0]:
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            added.append((id(storage), counter.add(storage)))
+    return added

@@ -10,6 +10,7 @@ size. Pure arithmetic: no torch, no I/O.
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -37,6 +38,11 @@ class Plan(BaseModel):
     )
     achieved_effective_batch: int
     warnings: list[str] = Field(default_factory=list)
+    verified_for: Literal["one-micro-step", "accumulation", "unverified"] = Field(
+        default="unverified",
+        description="The loop the micro-batch was verified for by a probe: one micro-step per optimizer step, "
+        "or accumulation (gradients alive during forward); unverified when the maximum was given by hand.",
+    )
 
 
 def parse_policy(policy: Policy | str) -> Policy:
@@ -124,3 +130,38 @@ def plan(
             "policy fewest-steps reaches the same effective batch with unequal micro-batches"
         )
     return _build(policy, effective_batch, world_size, max_micro_batch, [micro] * steps, warnings)
+
+
+def plan_for_loops(
+    effective_batch: int,
+    max_micro_batch: int,
+    world_size: int = 1,
+    policy: Policy | str = Policy.FEWEST_STEPS,
+    *,
+    without_accumulation: int | None = None,
+    accumulation_verified: bool = True,
+) -> Plan:
+    """Plan from a probe's answers, never pairing a micro-batch with a loop it was not verified for.
+
+    `max_micro_batch` holds with accumulation (when `accumulation_verified`), `without_accumulation`
+    for one micro-step. One micro-step of E/W when it fits without accumulation; otherwise an
+    accumulating plan from the accumulation answer. A maximum verified for one micro-step only
+    cannot plan accumulation.
+    """
+    per_rank = _per_rank(effective_batch, max_micro_batch, world_size)
+    single = (
+        without_accumulation
+        if without_accumulation is not None
+        else (None if accumulation_verified else max_micro_batch)
+    )
+    if single is not None and per_rank <= single:
+        made = _build(parse_policy(policy), effective_batch, world_size, single, [per_rank], [])
+        return made.model_copy(update={"verified_for": "one-micro-step"})
+    if not accumulation_verified:
+        raise PlanError(
+            f"effective batch {effective_batch} needs {per_rank} samples per rank, more than the "
+            f"{max_micro_batch} verified without accumulation, and this result was not verified with "
+            "accumulation (gradients alive during forward): probe again with this autotune"
+        )
+    made = plan(effective_batch, max_micro_batch, world_size, policy)
+    return made.model_copy(update={"verified_for": "accumulation" if made.accumulation_steps > 1 else "one-micro-step"})

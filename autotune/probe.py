@@ -19,10 +19,19 @@ from autotune import __version__, fingerprint, gpu, nvml
 from autotune.budget import BudgetDevice
 from autotune.errors import ConfigError, InsufficientMemoryError
 from autotune.objective import time_and_choose
-from autotune.plan import Plan, Policy, plan
+from autotune.plan import Policy, plan_for_loops
 from autotune.predict import predicted_search
-from autotune.results import DeviceInfo, ProbeResult, TrialRecord, Versions, WorkloadRef
-from autotune.search import search
+from autotune.results import (
+    DeviceInfo,
+    LoopAnswer,
+    LoopShape,
+    Prediction,
+    ProbeResult,
+    TrialRecord,
+    Versions,
+    WorkloadRef,
+)
+from autotune.search import SearchOutcome, search
 from autotune.settings import get_settings
 from autotune.trial import ProbeDevice, TrialRunner
 from autotune.units import format_bytes, parse_headroom, parse_size
@@ -56,6 +65,11 @@ class ProbeRequest(BaseModel):
     objective: Literal["memory", "throughput"] = Field(
         default="memory", description="throughput: plan the fitting micro-batch with the least time per step."
     )
+    prefetch: int = Field(
+        default=0, ge=0, le=16, description="Further batches the job's loader holds on the device during a step."
+    )
+    confirm: bool = Field(default=True, description="Run the answer again in a fresh process after the search.")
+    confirm_steps: int = Field(default=2, ge=1, le=100, description="Optimizer steps of each confirmation run.")
 
     @field_validator("memory", "min_free_memory", mode="before")
     @classmethod
@@ -175,62 +189,67 @@ def result_fingerprint(workload: Workload, request: ProbeRequest, info: DeviceIn
         limit_bytes=limit_bytes,
         max_batch=request.max_batch,
         granularity=request.granularity,
+        prefetch=request.prefetch,
         torch=torch.__version__,
         cuda=torch.version.cuda,
         allocator=gpu.allocator_config(),
     )
 
 
+# The loop shapes a probe verifies: one micro-step per optimizer step, and accumulation. Two
+# micro-steps stand for any number: from the second on, each runs with the same gradients alive.
+ACCUMULATING_MICRO_STEPS = 2
+
+
 def run_probe(request: ProbeRequest, on_trial: TrialCallback | None = None) -> ProbeResult:
-    """Run a probe in this process. Raises ConfigError, WorkloadError or ProbeError."""
+    """Search both loop shapes in this process; the fresh-process confirmation is
+    `autotune.confirm`'s. Raises ConfigError, WorkloadError or ProbeError."""
     started = time.perf_counter()
     workload = load_workload(request)
     device, policy, budget, room = open_device(request)
     info = device_info(device)
     key = result_fingerprint(workload, request, info, device.limit_bytes)
-    runner = TrialRunner(workload, device, steps=request.steps)
+    runner = TrialRunner(workload, device, steps=request.steps, prefetch=request.prefetch)
+    single = LoopShape(micro_steps=1, steps=request.steps, prefetch=request.prefetch)
+    accumulating = single.model_copy(update={"micro_steps": ACCUMULATING_MICRO_STEPS})
 
-    def trial(batch: int) -> TrialRecord:
-        record = runner(batch)
-        if on_trial is not None:
-            on_trial(record)
-        return record
+    def trial_in(loop: LoopShape) -> Callable[[int], TrialRecord]:
+        run = runner.trial_fn(loop)
 
-    prediction = None
-    if request.search == "predict":
-        predicted = predicted_search(
-            trial,
-            device,
-            start=request.start_batch,
-            cap=request.max_batch,
-            granularity=request.granularity,
-            limit_bytes=device.limit_bytes,
+        def trial(batch: int) -> TrialRecord:
+            record = run(batch)
+            if on_trial is not None:
+                on_trial(record)
+            return record
+
+        return trial
+
+    answers: list[LoopAnswer] = []
+    trials: list[TrialRecord] = []
+    outcomes: dict[int, SearchOutcome] = {}
+    for loop in (single, accumulating):
+        outcome, prediction = _search(trial_in(loop), device, request)
+        outcomes[loop.micro_steps] = outcome
+        trials += outcome.trials
+        answers.append(
+            LoopAnswer(loop=loop, max_micro_batch=outcome.max_micro_batch, capped=outcome.capped, prediction=prediction)
         )
-        outcome, prediction = predicted.outcome, predicted.prediction
-    else:
-        outcome = search(
-            trial,
-            start=request.start_batch,
-            cap=request.max_batch,
-            granularity=request.granularity,
-            limit_bytes=device.limit_bytes,
-        )
+    safe = answers[-1]
     throughput = None
     if request.objective == "throughput":
+        # Timed in the accumulating loop: a plan that needs throughput tuning accumulates.
+        searched = len(outcomes[ACCUMULATING_MICRO_STEPS].trials)
         throughput = time_and_choose(
-            trial,
-            outcome.trials,
-            outcome.max_micro_batch,
+            trial_in(accumulating),
+            outcomes[ACCUMULATING_MICRO_STEPS].trials,
+            safe.max_micro_batch,
             request.granularity,
             request.effective_batch,
             request.world_size,
             request.policy,
         )
-    micro_batch = throughput.micro_batch if throughput is not None else outcome.max_micro_batch
-    result_plan: Plan | None = None
-    if request.effective_batch is not None:
-        result_plan = plan(request.effective_batch, micro_batch, request.world_size, request.policy)
-    return ProbeResult(
+        trials += outcomes[ACCUMULATING_MICRO_STEPS].trials[searched:]
+    result = ProbeResult(
         fingerprint=key,
         workload=WorkloadRef(
             target=request.target,
@@ -244,17 +263,64 @@ def run_probe(request: ProbeRequest, on_trial: TrialCallback | None = None) -> P
         budget_bytes=budget,
         headroom_bytes=room,
         limit_bytes=device.limit_bytes,
-        max_micro_batch=outcome.max_micro_batch,
-        capped=outcome.capped,
+        max_micro_batch=safe.max_micro_batch,
+        capped=safe.capped,
+        loop=safe.loop,
+        max_micro_batch_without_accumulation=answers[0].max_micro_batch,
+        answers=answers,
         max_batch_cap=request.max_batch,
         granularity=request.granularity,
         search=request.search,
-        prediction=prediction,
+        prediction=safe.prediction,
         objective=request.objective,
         throughput=throughput,
-        trials=outcome.trials,
-        plan=result_plan,
+        trials=trials,
         allocator_config=gpu.allocator_config(),
         versions=versions(),
         duration_seconds=time.perf_counter() - started,
     )
+    return with_plan(result, request)
+
+
+def with_plan(result: ProbeResult, request: ProbeRequest) -> ProbeResult:
+    """The result with the plan for the request's effective batch (none without one)."""
+    if request.effective_batch is None:
+        return result.model_copy(update={"plan": None})
+    if result.throughput is not None:
+        # The throughput objective's choice is an accumulating micro-batch no larger than the answer.
+        chosen = min(result.throughput.micro_batch, result.max_micro_batch)
+        made = plan_for_loops(
+            request.effective_batch,
+            chosen,
+            request.world_size,
+            request.policy,
+            without_accumulation=result.max_micro_batch_without_accumulation
+            if chosen == result.max_micro_batch
+            else None,
+        )
+    else:
+        made = result.make_plan(request.effective_batch, request.world_size, request.policy)
+    return result.model_copy(update={"plan": made})
+
+
+def _search(
+    trial: Callable[[int], TrialRecord], device: ProbeDevice, request: ProbeRequest
+) -> tuple[SearchOutcome, Prediction | None]:
+    if request.search == "predict":
+        predicted = predicted_search(
+            trial,
+            device,
+            start=request.start_batch,
+            cap=request.max_batch,
+            granularity=request.granularity,
+            limit_bytes=device.limit_bytes,
+        )
+        return predicted.outcome, predicted.prediction
+    outcome = search(
+        trial,
+        start=request.start_batch,
+        cap=request.max_batch,
+        granularity=request.granularity,
+        limit_bytes=device.limit_bytes,
+    )
+    return outcome, None

@@ -12,18 +12,52 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
-from autotune.plan import Plan
+from autotune.plan import Plan, Policy, plan_for_loops
 
-SCHEMA_VERSION = 1
+# 2: trials run the job's loop (micro-steps, prefetch); `max_micro_batch` holds with accumulation,
+# `max_micro_batch_without_accumulation` for one micro-step; fresh-process `confirmation`.
+SCHEMA_VERSION = 2
+
+
+class LoopShape(BaseModel):
+    """The training loop a trial runs and an answer holds for."""
+
+    model_config = ConfigDict(frozen=True)
+
+    micro_steps: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Micro-batches accumulated per optimizer step. From the second on, each runs with a whole "
+        "set of gradients alive, so an answer verified with 2 holds for any number of micro-steps.",
+    )
+    steps: int = Field(default=2, ge=1, le=100, description="Optimizer steps per trial.")
+    prefetch: int = Field(default=0, ge=0, le=16, description="Further batches held on the device during a step.")
+
+    @property
+    def accumulates(self) -> bool:
+        return self.micro_steps > 1
+
+    def describe(self) -> str:
+        """The loop in words, for summaries and messages."""
+        micro = (
+            f"{self.micro_steps} accumulated micro-steps per optimizer step (gradients alive from the second on)"
+            if self.accumulates
+            else "one micro-step per optimizer step (no accumulation)"
+        )
+        held = f", {self.prefetch} batch(es) prefetched on the device" if self.prefetch else ""
+        return f"{micro}, {self.steps} optimizer step(s){held}"
 
 
 class TrialRecord(BaseModel):
-    """One trial: `steps` full training steps at one micro-batch size."""
+    """One trial: `steps` optimizer steps of `micro_steps` micro-batches each, at one micro-batch size."""
 
     model_config = ConfigDict(frozen=True)
 
     batch: int = Field(ge=1)
     fits: bool
+    micro_steps: int = Field(default=1, ge=1, description="Micro-batches accumulated per optimizer step.")
+    prefetch: int = Field(default=0, ge=0, description="Further batches held on the device during each step.")
     peak_allocated_bytes: int | None = Field(
         default=None,
         description="Highest live tensor bytes during the trial (reached or, for an OOM, at the failing allocation).",
@@ -34,7 +68,8 @@ class TrialRecord(BaseModel):
     )
     seconds: float = Field(ge=0, description="Wall time of the whole trial.")
     step_seconds: float | None = Field(
-        default=None, description="Wall time of the last (steady-state) step, for fitting trials."
+        default=None,
+        description="Wall time per micro-step of the last (steady-state) optimizer step, for fitting trials.",
     )
     oom_message: str | None = Field(default=None, description="First line of the OOM error, for failed trials.")
 
@@ -126,6 +161,40 @@ class ThroughputChoice(BaseModel):
     candidates: list[ThroughputCandidate]
 
 
+class LoopAnswer(BaseModel):
+    """The largest micro-batch verified for one loop shape: it fitted, and one more did not."""
+
+    loop: LoopShape
+    max_micro_batch: int = Field(ge=1)
+    capped: bool
+    prediction: Prediction | None = None
+
+
+class ConfirmationCheck(BaseModel):
+    """One answer run again in fresh processes: a new process per size, sizes in the order tried."""
+
+    answer: Literal["plan", "max_micro_batch", "max_micro_batch_without_accumulation"]
+    loop: LoopShape
+    searched: int = Field(description="The size the search found (or the plan's micro-batch).")
+    confirmed: int | None = Field(description="The largest size that passed in a fresh process; None if none did.")
+    runs: list[TrialRecord] = Field(description="Each fresh-process run: batch, fits, peaks, seconds.")
+
+
+class Confirmation(BaseModel):
+    """The fresh-process confirmation of the answer the result gives (and of its plan)."""
+
+    status: Literal["passed", "stepped-down", "skipped"]
+    passed: bool = Field(description="Every searched answer fitted, unchanged, in a fresh process.")
+    steps: int = Field(description="Optimizer steps each confirmation run trained.")
+    checks: list[ConfirmationCheck] = Field(default_factory=list)
+    seconds: float = 0.0
+    note: str = ""
+
+    @property
+    def runs(self) -> int:
+        return sum(len(c.runs) for c in self.checks)
+
+
 class ProbeResult(BaseModel):
     """Everything a probe found. Stored by `fingerprint`; `max_micro_batch` is the answer."""
 
@@ -137,8 +206,18 @@ class ProbeResult(BaseModel):
     budget_bytes: int = Field(description="Memory the probe was allowed before headroom.")
     headroom_bytes: int = Field(ge=0)
     limit_bytes: int = Field(description="budget_bytes - headroom_bytes: the peak a fitting trial stays under.")
-    max_micro_batch: int = Field(ge=1)
+    max_micro_batch: int = Field(
+        ge=1, description="The answer for `loop`: with accumulation (the safe one) unless `loop` says otherwise."
+    )
     capped: bool = Field(description="True when the cap (--max-batch) fitted: the true maximum may be larger.")
+    loop: LoopShape = Field(default_factory=LoopShape, description="The loop `max_micro_batch` was verified for.")
+    max_micro_batch_without_accumulation: int | None = Field(
+        default=None, description="The answer for one micro-step per optimizer step (no gradients alive in forward)."
+    )
+    answers: list[LoopAnswer] = Field(default_factory=list, description="Each loop shape searched, and its answer.")
+    confirmation: Confirmation | None = Field(
+        default=None, description="The answer run again in fresh processes; status 'skipped' with --no-confirm."
+    )
     max_batch_cap: int | None = None
     granularity: int = 1
     search: Literal["plain", "predict"] = "plain"
@@ -154,4 +233,25 @@ class ProbeResult(BaseModel):
 
     @property
     def trial_at_answer(self) -> TrialRecord | None:
-        return next((t for t in self.trials if t.batch == self.max_micro_batch), None)
+        return next(
+            (t for t in self.trials if t.batch == self.max_micro_batch and t.micro_steps == self.loop.micro_steps),
+            None,
+        )
+
+    def loop_trials(self, micro_steps: int | None = None) -> list[TrialRecord]:
+        """The trials of one loop shape (the answer's by default)."""
+        wanted = self.loop.micro_steps if micro_steps is None else micro_steps
+        return [t for t in self.trials if t.micro_steps == wanted]
+
+    def make_plan(self, effective_batch: int, world_size: int = 1, policy: Policy | str = Policy.FEWEST_STEPS) -> Plan:
+        """A plan that combines each micro-batch only with a loop shape it was verified for: one
+        micro-step of E/W when that fits without accumulation, else accumulation with the answer
+        verified for it."""
+        return plan_for_loops(
+            effective_batch,
+            self.max_micro_batch,
+            world_size,
+            policy,
+            without_accumulation=self.max_micro_batch_without_accumulation,
+            accumulation_verified=self.loop.accumulates,
+        )

@@ -1,10 +1,19 @@
-"""Running one trial: `steps` full training steps at one micro-batch size, then undoing it.
+"""Running one trial: the job's loop at one micro-batch size for a few optimizer steps, then undoing it.
 
-A trial is what the job will really do: zero_grad(set_to_none=True), forward under the job's
-precision, loss, backward (scaled for fp16), optimizer step. The optimizer is created fresh for
-each trial so that its state is allocated lazily at the first step, as in the job; the second step
-is the steady state. After every trial, fitting or not, the runner restores the parameters and
-buffers from a host copy and drops the gradients, so trials are independent.
+A trial runs what the job's loop runs. Each of its `steps` optimizer steps is made of
+`micro_steps` micro-batches whose gradients accumulate (forward under the job's precision, loss,
+backward, scaled for fp16), then `optimizer.step()` and `zero_grad(set_to_none=True)`. From the
+second micro-step on, forward and backward run with a whole set of gradients alive: that is what
+accumulation costs, and an isolated step (one micro-step) never shows it. Every micro-step gets
+fresh inputs, as from a loader: with `prefetch = 0` the previous micro-batch is dropped before the
+next one is made (a loop that moves each batch to the device itself); with `prefetch = N`, N further
+batches are held on the device during each step and the next one is made while the current one is
+still referenced (Accelerate's prepared loader, CUDA prefetchers).
+
+The optimizer is created fresh for each trial so that its state is allocated lazily at the first
+step, as in the job; the second step is the steady state. After every trial, fitting or not, the
+runner restores the parameters and buffers from a host copy and drops the gradients, so trials are
+independent.
 
 Recovery from an OOM happens after the `except` block: inside it the traceback still holds the
 failed step's tensors.
@@ -14,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import Protocol
@@ -23,7 +33,7 @@ from torch import nn
 
 from autotune import oom
 from autotune.errors import NotAnOOMError, NothingFitsError
-from autotune.results import TrialRecord
+from autotune.results import LoopShape, TrialRecord
 from autotune.units import format_bytes
 from autotune.workload import Precision, Workload
 
@@ -60,14 +70,18 @@ class TrialRunner:
         steps: int = 2,
         on_step: Callable[[int, int], None] | None = None,
         model: nn.Module | None = None,
+        *,
+        micro_steps: int = 1,
+        prefetch: int = 0,
     ) -> None:
-        """`model`: an already built model to use as is (the estimator's fake-tensor model, which
+        """`steps` optimizer steps of `micro_steps` accumulated micro-batches each, with `prefetch`
+        further batches held on the device (the default loop; `run` takes others).
+
+        `model`: an already built model to use as is (the estimator's fake-tensor model, which
         `.to()` cannot move); by default the workload builds one on the device."""
-        if steps < 1:
-            raise ValueError("steps must be at least 1")
+        self.loop = LoopShape(micro_steps=micro_steps, steps=steps, prefetch=prefetch)
         self.workload = workload
         self.device = device
-        self.steps = steps
         self._on_step = on_step
         if model is not None:
             self.model = model
@@ -81,15 +95,27 @@ class TrialRunner:
         self.baseline_bytes = device.live_bytes()
         self.last_leak_bytes = 0
 
+    @property
+    def steps(self) -> int:
+        return self.loop.steps
+
     # One trial ---------------------------------------------------------------------------
     def __call__(self, batch: int) -> TrialRecord:
+        return self.run(batch, self.loop)
+
+    def trial_fn(self, loop: LoopShape) -> Callable[[int], TrialRecord]:
+        """A trial function of the batch size alone, for the search, in `loop`."""
+        return lambda batch: self.run(batch, loop)
+
+    def run(self, batch: int, loop: LoopShape) -> TrialRecord:
+        """One trial of `loop` at micro-batch `batch`, undone afterwards."""
         self.device.reset_peak()
         started = time.perf_counter()
         step_seconds: float | None = None
         failure: str | None = None
         not_oom: str | None = None
         try:
-            step_seconds = self._train(batch)
+            step_seconds = self._train(batch, loop)
         except Exception as exc:  # noqa: BLE001 - classified right here; non-OOMs stop the probe
             reason = oom.classify(exc)
             if reason is not None and reason.kind is oom.OOMKind.OOM:
@@ -121,9 +147,12 @@ class TrialRunner:
             seconds=seconds,
             step_seconds=step_seconds,
             oom_message=failure,
+            micro_steps=loop.micro_steps,
+            prefetch=loop.prefetch,
         )
 
-    def _train(self, batch: int) -> float:
+    def _train(self, batch: int, loop: LoopShape) -> float:
+        """Run `loop`; return the seconds per micro-step of the last (steady-state) optimizer step."""
         workload, device, model = self.workload, self.device, self.model
         dtype = _AUTOCAST.get(workload.precision)
         device_type = device.torch_device.type
@@ -131,18 +160,27 @@ class TrialRunner:
         with device.active():
             optimizer = workload.make_optimizer(model.parameters())
             scaler = torch.amp.GradScaler(device_type, enabled=workload.precision is Precision.FP16)
-            inputs = workload.make_batch(batch, device.torch_device)
-            for step in range(self.steps):
+            # held[0] is the micro-batch being trained on; the rest are the loader's prefetched ones.
+            held: deque[object] = deque(workload.make_batch(batch, device.torch_device) for _ in range(loop.prefetch))
+            for step in range(loop.steps):
                 started = time.perf_counter()
-                optimizer.zero_grad(set_to_none=True)
-                with torch.autocast(device_type, dtype=dtype or torch.float32, enabled=dtype is not None):
-                    loss = workload.loss(model, inputs)
-                scaler.scale(loss).backward()
+                for _micro in range(loop.micro_steps):
+                    if not loop.prefetch:
+                        held.clear()
+                    held.append(workload.make_batch(batch, device.torch_device))
+                    if len(held) > loop.prefetch + 1:
+                        held.popleft()
+                    with torch.autocast(device_type, dtype=dtype or torch.float32, enabled=dtype is not None):
+                        loss = workload.loss(model, held[0])
+                    if loop.micro_steps > 1:
+                        loss = loss / loop.micro_steps
+                    scaler.scale(loss).backward()
+                    del loss
                 scaler.step(optimizer)
                 scaler.update()
-                del loss
+                optimizer.zero_grad(set_to_none=True)
                 device.synchronize()
-                step_seconds = time.perf_counter() - started
+                step_seconds = (time.perf_counter() - started) / loop.micro_steps
                 if self._on_step is not None:
                     self._on_step(batch, step)
         return step_seconds
