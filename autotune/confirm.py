@@ -1,0 +1,320 @@
+"""Confirmation in a fresh process: the answer runs again where nothing of the probe is left.
+
+A probe's process has a history the job's process will not have: on a GPU, a CUDA context whose
+caching allocator has already split, cached and freed blocks for a dozen trials, and workspaces
+that a fresh process allocates at other moments. So after the search, the answer the user will run
+(the plan's largest micro-batch in the plan's loop shape, or without a plan each answer in its own
+loop) runs again in a **new interpreter** (`python -m autotune.confirm`, never a re-import of the
+caller's `__main__`), one process per size, under the same limit, for `confirm_steps` optimizer
+steps of up to `CONFIRM_MICRO_STEPS` micro-steps when the loop accumulates.
+
+When a size runs out of memory there, the answer steps down (a few more runs, each in its own fresh
+process: one unit below, then wider steps, then a bisection) to the largest size that passes, the
+plan is made again from the lowered answers, and whatever the new plan runs is confirmed in turn.
+The result's `confirmation` says what ran, what passed and what changed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from autotune import errors
+from autotune.errors import NothingFitsError, ProbeError, ProbeTimeoutError
+from autotune.probe import ProbeRequest, TrialCallback, run_probe, with_plan
+from autotune.results import Confirmation, ConfirmationCheck, LoopShape, ProbeResult, TrialRecord
+from autotune.search import search_from_guess
+
+# Micro-steps of an accumulating confirmation run: the second and third both run with gradients
+# alive, so a third shows that nothing grows from one accumulated micro-step to the next.
+CONFIRM_MICRO_STEPS = 3
+# Rounds of "confirm what the plan runs": a step-down can turn a one-micro-step plan into an
+# accumulating one, which is then confirmed; a third round is never needed, a fourth is a bug.
+MAX_ROUNDS = 3
+
+RunCallback = Callable[[TrialRecord], None]
+FreshRun = Callable[[int, LoopShape], TrialRecord]
+
+
+class FreshRunRequest(BaseModel):
+    """What a fresh process needs to run one trial of a probed answer."""
+
+    probe: ProbeRequest
+    batch: int
+    loop: LoopShape
+    device_kind: str
+    device_index: int | None
+    total_bytes: int
+    limit_bytes: int
+    sys_path: list[str]
+
+
+# Deciding what to confirm (pure) ---------------------------------------------------------------
+def _loop(micro_steps: int, request: ProbeRequest) -> LoopShape:
+    return LoopShape(micro_steps=micro_steps, steps=request.confirm_steps, prefetch=request.prefetch)
+
+
+def checks_for(result: ProbeResult, request: ProbeRequest) -> list[tuple[str, int, LoopShape]]:
+    """(answer name, micro-batch, loop) for each run the result's answer needs."""
+    if result.plan is not None:
+        p = result.plan
+        micro = 1 if p.accumulation_steps == 1 else min(p.accumulation_steps, CONFIRM_MICRO_STEPS)
+        return [("plan", p.micro_batch, _loop(micro, request))]
+    todo = [("max_micro_batch", result.max_micro_batch, _loop(CONFIRM_MICRO_STEPS, request))]
+    if result.max_micro_batch_without_accumulation is not None:
+        single = result.max_micro_batch_without_accumulation
+        todo.append(("max_micro_batch_without_accumulation", single, _loop(1, request)))
+    return todo
+
+
+def lowered(result: ProbeResult, request: ProbeRequest, accumulates: bool, confirmed: int) -> ProbeResult:
+    """The result with the answer for one loop kind lowered to what passed in a fresh process.
+
+    An accumulating loop holds more than one micro-step, so lowering the one-micro-step answer
+    lowers the accumulation answer with it."""
+    single = result.max_micro_batch_without_accumulation
+    acc = result.max_micro_batch
+    if accumulates:
+        acc = min(acc, confirmed)
+    else:
+        single = confirmed if single is None else min(single, confirmed)
+        acc = min(acc, single)
+    updated = result.model_copy(
+        update={"max_micro_batch": acc, "max_micro_batch_without_accumulation": single, "capped": False}
+    )
+    return with_plan(updated, request)
+
+
+def confirm_answers(
+    result: ProbeResult, request: ProbeRequest, fresh_run: FreshRun, on_run: RunCallback | None = None
+) -> ProbeResult:
+    """Run the result's answer (or plan) again with `fresh_run`, stepping down where it fails."""
+    started = time.perf_counter()
+    checks: list[ConfirmationCheck] = []
+    passed_upto: dict[bool, int] = {}  # accumulates -> largest size that passed
+    stepped = False
+    for _round in range(MAX_ROUNDS):
+        todo = [
+            (name, batch, loop)
+            for name, batch, loop in checks_for(result, request)
+            if batch > passed_upto.get(loop.accumulates, 0)
+        ]
+        if not todo:
+            break
+        for name, batch, loop in todo:
+            runs: list[TrialRecord] = []
+
+            def run(size: int, loop: LoopShape = loop, runs: list[TrialRecord] = runs) -> TrialRecord:
+                record = fresh_run(size, loop)
+                runs.append(record)
+                if on_run is not None:
+                    on_run(record)
+                return record
+
+            confirmed: int | None
+            if run(batch).fits:
+                confirmed = batch
+            else:
+                stepped = True
+                confirmed = _step_down(run, batch, result.granularity)
+            checks.append(
+                ConfirmationCheck(answer=name, loop=loop, searched=batch, confirmed=confirmed, runs=runs)  # type: ignore[arg-type]
+            )
+            if confirmed is None:
+                raise NothingFitsError(
+                    f"the probe's answer {batch} ran out of memory in a fresh process ({loop.describe()}), "
+                    f"and so did every size down to {result.granularity}: {runs[-1].oom_message}",
+                    peak_bytes=runs[-1].peak_allocated_bytes,
+                    limit_bytes=result.limit_bytes,
+                )
+            passed_upto[loop.accumulates] = max(passed_upto.get(loop.accumulates, 0), confirmed)
+            if confirmed < batch:
+                result = lowered(result, request, loop.accumulates, confirmed)
+    else:
+        raise ProbeError("the fresh-process confirmation did not settle: report this as a bug")
+    note = (
+        "every answer fitted in a fresh process"
+        if not stepped
+        else "an answer ran out of memory in a fresh process and was lowered to the largest size that passed there"
+    )
+    confirmation = Confirmation(
+        status="stepped-down" if stepped else "passed",
+        passed=not stepped,
+        steps=request.confirm_steps,
+        checks=checks,
+        seconds=time.perf_counter() - started,
+        note=note,
+    )
+    return result.model_copy(update={"confirmation": confirmation})
+
+
+def _step_down(run: Callable[[int], TrialRecord], failed: int, granularity: int) -> int | None:
+    """The largest size below `failed` that passes: one unit down, then wider steps, then bisect."""
+    below = failed - granularity
+    if below < granularity:
+        return None
+    try:
+        outcome = search_from_guess(run, below, cap=below, granularity=granularity)
+    except NothingFitsError:
+        return None
+    return outcome.max_micro_batch
+
+
+def skipped(result: ProbeResult, request: ProbeRequest) -> ProbeResult:
+    confirmation = Confirmation(
+        status="skipped",
+        passed=False,
+        steps=request.confirm_steps,
+        note="unconfirmed (--no-confirm): the answer was not run again in a fresh process",
+    )
+    return result.model_copy(update={"confirmation": confirmation})
+
+
+# Running in a fresh process ---------------------------------------------------------------------
+def fresh_runner(result: ProbeResult, request: ProbeRequest, timeout: float) -> FreshRun:
+    """A `FreshRun` that starts a new interpreter for every run."""
+
+    def fresh_run(batch: int, loop: LoopShape) -> TrialRecord:
+        job = FreshRunRequest(
+            probe=request,
+            batch=batch,
+            loop=loop,
+            device_kind=result.device.kind,
+            device_index=result.device.index,
+            total_bytes=result.budget_bytes if result.device.kind == "cpu-budget" else result.device.total_bytes,
+            limit_bytes=result.limit_bytes,
+            sys_path=[p for p in sys.path if p],
+        )
+        return run_fresh(job, timeout)
+
+    return fresh_run
+
+
+def run_fresh(job: FreshRunRequest, timeout: float) -> TrialRecord:
+    """Run one trial in a new `python -m autotune.confirm` process; its record or our error."""
+    with tempfile.TemporaryDirectory(prefix="autotune-confirm-") as tmp:
+        request_path, answer_path = Path(tmp, "request.json"), Path(tmp, "answer.json")
+        request_path.write_text(job.model_dump_json())
+        command = [sys.executable, "-m", "autotune.confirm", str(request_path), str(answer_path)]
+        try:
+            completed = subprocess.run(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                timeout=timeout,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            raise ProbeTimeoutError(
+                f"the fresh-process confirmation of batch {job.batch} ran past {timeout:g} s and was killed: "
+                "raise the timeout or lower --confirm-steps"
+            ) from None
+        if not answer_path.exists():
+            tail = completed.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+            raise errors.ProbeCrashedError(
+                f"the fresh-process confirmation of batch {job.batch} exited with code {completed.returncode} "
+                f"without an answer: {tail[0]}"
+            )
+        answer = json.loads(answer_path.read_text())
+    if "error" in answer:
+        raise errors.from_report(
+            answer["error"], message=f"confirmation in a fresh process: {answer['error'].get('message')}"
+        )
+    return TrialRecord.model_validate(answer["trial"])
+
+
+def _child(request_path: str, answer_path: str) -> None:
+    job = FreshRunRequest.model_validate_json(Path(request_path).read_text())
+    sys.path[:0] = [p for p in job.sys_path if p not in sys.path]
+    answer: dict[str, object]
+    try:
+        answer = {"trial": _one_trial(job).model_dump(mode="json")}
+    except errors.AutotuneError as exc:
+        answer = {"error": errors.report(exc)}
+    except Exception as exc:  # noqa: BLE001 - reported to the parent as a failed confirmation
+        answer = {"error": {"type": "ProbeError", "message": f"{type(exc).__name__}: {exc}"}}
+    Path(answer_path).write_text(json.dumps(answer))
+
+
+def _one_trial(job: FreshRunRequest) -> TrialRecord:
+    from autotune.budget import BudgetDevice
+    from autotune.probe import load_workload
+    from autotune.trial import ProbeDevice, TrialRunner
+
+    workload = load_workload(job.probe)
+    device: ProbeDevice
+    if job.device_kind == "cuda":
+        from autotune.gpu import CudaDevice
+
+        device = CudaDevice(job.device_index or 0, job.limit_bytes)
+    else:
+        device = BudgetDevice(job.total_bytes, job.limit_bytes)
+    try:
+        runner = TrialRunner(workload, device, steps=job.loop.steps)
+    except NothingFitsError as exc:
+        # The model alone did not fit in this process: as much an answer as an OOM in a step.
+        return TrialRecord(
+            batch=job.batch,
+            fits=False,
+            micro_steps=job.loop.micro_steps,
+            prefetch=job.loop.prefetch,
+            peak_allocated_bytes=exc.peak_bytes,
+            seconds=0.0,
+            oom_message=str(exc),
+        )
+    return runner.run(job.batch, job.loop)
+
+
+# Probe, then confirm -----------------------------------------------------------------------------
+def probe_and_confirm(
+    request: ProbeRequest,
+    *,
+    timeout: float,
+    in_process: bool = False,
+    on_trial: TrialCallback | None = None,
+    on_run: RunCallback | None = None,
+) -> ProbeResult:
+    """Search (in an isolated child, or here), then confirm in fresh processes unless the
+    request says not to. What the CLI, the service and the client's local fallback run."""
+    if in_process:
+        result = run_probe(request, on_trial=on_trial)
+        _release_cuda_cache()
+    else:
+        from autotune.isolation import run_isolated
+
+        result = run_isolated(request, timeout, on_trial=on_trial)
+    if not request.confirm:
+        return skipped(result, request)
+    return confirm_answers(result, request, fresh_runner(result, request, timeout), on_run)
+
+
+def _release_cuda_cache() -> None:
+    # In-process probes leave their cached blocks with this process; the confirmation's fresh
+    # process shares the card, so give back what can be given (the context itself stays).
+    if "torch" in sys.modules:
+        import torch
+
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+
+def main() -> None:
+    if len(sys.argv) != 3:
+        sys.stderr.write("usage: python -m autotune.confirm REQUEST.json ANSWER.json (autotune's own use)\n")
+        sys.exit(2)
+    # The fresh process must not inherit the probe's allocator history; nothing else to set up.
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    _child(sys.argv[1], sys.argv[2])
+
+
+if __name__ == "__main__":
+    main()
