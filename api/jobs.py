@@ -3,7 +3,8 @@
 `submit` runs on the event loop. It returns the job already queued or running for the same
 request key, or queues a new one: with no await between the lookup and the insert, any number of
 identical concurrent requests get one job. Each device's worker is a daemon thread that runs its
-jobs one at a time through `autotune.isolation.run_isolated` (a spawned child with the timeout),
+jobs one at a time through `autotune.confirm.probe_and_confirm` (a spawned child with the timeout,
+then the fresh-process confirmation),
 so the event loop keeps answering while probes run. Trials are written to the store as they
 arrive (live progress that survives a crash); the result is stored, then put in the result cache,
 then the job leaves the active table, so that at every moment a request finds the job or its
@@ -57,9 +58,9 @@ class _Job:
 
 
 def _default_runner(request: ProbeRequest, timeout: float, on_trial: Callable[[TrialRecord], None]) -> ProbeResult:
-    from autotune.isolation import run_isolated
+    from autotune.confirm import probe_and_confirm
 
-    return run_isolated(request, timeout, on_trial=on_trial)
+    return probe_and_confirm(request, timeout=timeout, on_trial=on_trial)
 
 
 class ProbeManager:

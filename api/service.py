@@ -25,6 +25,7 @@ from autotune.plan import Plan, Policy, plan
 from autotune.probe import ProbeRequest
 from autotune.probekey import ProbeKey, key_for_request
 from autotune.registry import RegisteredWorkload, Registry, load_registry
+from autotune.results import ProbeResult
 from autotune.settings import Settings
 from autotune.store import JobRecord, Store, StoredResult
 
@@ -133,6 +134,7 @@ class Service:
             steps=key.steps,
             max_batch=key.max_batch,
             granularity=key.granularity,
+            prefetch=key.prefetch,
         )
         resolved = Resolved(entry=entry, device=device_id, key=key, digest=key.digest(), request=request)
         self._resolved[memo_key] = resolved
@@ -194,7 +196,7 @@ class Service:
         body = self.plans.get(memo)
         if body is None:
             result = cached.stored.result
-            made = make_plan(effective_batch, result.max_micro_batch, world_size, policy)
+            made = make_plan(effective_batch, result, world_size, policy)
             body = (
                 PlanView(
                     workload=resolved.entry.name,
@@ -216,15 +218,18 @@ def check_plan(effective_batch: int, world_size: int, policy: Policy) -> None:
     plan(effective_batch, effective_batch, world_size, policy)  # one step: only the arithmetic checks run
 
 
-def make_plan(effective_batch: int, max_micro_batch: int, world_size: int, policy: Policy) -> Plan:
+def make_plan(effective_batch: int, result: ProbeResult, world_size: int, policy: Policy) -> Plan:
+    """The result's plan (each micro-batch paired only with a loop it was verified for), bounded in steps."""
+    max_micro_batch = result.max_micro_batch
     per_rank = effective_batch // max(world_size, 1)
-    fewest = -(-per_rank // max_micro_batch)
+    single = result.max_micro_batch_without_accumulation
+    fewest = 1 if single is not None and per_rank <= single else -(-per_rank // max_micro_batch)
     if fewest > MAX_ACCUMULATION_STEPS:
         raise PlanError(
             f"effective batch {effective_batch} needs {fewest} accumulation steps of at most "
             f"{max_micro_batch} per rank: more than the {MAX_ACCUMULATION_STEPS} this service plans"
         )
-    made = plan(effective_batch, max_micro_batch, world_size, policy)
+    made = result.make_plan(effective_batch, world_size, policy)
     if made.accumulation_steps > MAX_ACCUMULATION_STEPS:
         raise PlanError(
             f"policy exact needs {made.accumulation_steps} accumulation steps for effective batch "

@@ -18,7 +18,7 @@ from rich.table import Table
 from autotune import __version__
 from autotune.errors import AutotuneError, ConfigError
 from autotune.plan import Plan, Policy, parse_policy, plan
-from autotune.probe import ProbeRequest, load_workload, run_probe
+from autotune.probe import ProbeRequest, load_workload
 from autotune.results import ProbeResult, TrialRecord
 from autotune.settings import get_settings
 from autotune.units import format_bytes, parse_headroom, parse_size
@@ -39,6 +39,7 @@ def _trial_table(trials: list[TrialRecord], title: str) -> Table:
     table = Table(title=title, title_justify="left")
     table.add_column("#", justify="right")
     table.add_column("batch", justify="right")
+    table.add_column("micro-steps", justify="right")
     table.add_column("result")
     table.add_column("peak allocated", justify="right")
     table.add_column("peak reserved", justify="right")
@@ -48,6 +49,7 @@ def _trial_table(trials: list[TrialRecord], title: str) -> Table:
         table.add_row(
             str(i),
             str(t.batch),
+            str(t.micro_steps),
             "[green]fits[/]" if t.fits else "[red]OOM[/]",
             format_bytes(t.peak_allocated_bytes),
             format_bytes(t.peak_reserved_bytes),
@@ -64,13 +66,25 @@ def _plan_lines(p: Plan) -> list[str]:
         if len(sizes) <= 12
         else f"{', '.join(map(str, sizes[:10]))}, ... ({len(sizes)} steps)"
     )
+    arithmetic = " + ".join(f"{n} × {m}" for m, n in _runs(sizes))
     lines = [
-        f"plan ({p.policy.value}): micro-batch {p.micro_batch} × {p.accumulation_steps} accumulation "
-        f"step(s) × world size {p.world_size} = effective batch {p.achieved_effective_batch}",
+        f"plan ({p.policy.value}): {p.accumulation_steps} accumulation step(s) of at most {p.micro_batch} "
+        f"({arithmetic}) × world size {p.world_size} = effective batch {p.achieved_effective_batch}",
         f"  per-step micro-batches: {shown}",
     ]
+    if p.verified_for != "unverified":
+        what = "one micro-step per optimizer step" if p.verified_for == "one-micro-step" else "gradient accumulation"
+        lines.append(f"  micro-batch {p.micro_batch} verified for {what}")
     lines += [f"  [yellow]warning:[/] {w}" for w in p.warnings]
     return lines
+
+
+def _runs(sizes: list[int]) -> list[tuple[int, int]]:
+    """(size, how many) in order of first appearance: [6, 6, 5] -> [(6, 2), (5, 1)]."""
+    counts: dict[int, int] = {}
+    for size in sizes:
+        counts[size] = counts.get(size, 0) + 1
+    return list(counts.items())
 
 
 def _print_summary(result: ProbeResult) -> None:
@@ -78,7 +92,14 @@ def _print_summary(result: ProbeResult) -> None:
     out.print(
         f"[bold]max micro-batch: {result.max_micro_batch}[/]"
         + (" [yellow](capped: the cap fitted, the true maximum may be larger)[/]" if result.capped else "")
+        + (" with gradient accumulation" if result.loop.accumulates else "")
     )
+    if result.max_micro_batch_without_accumulation is not None and result.loop.accumulates:
+        out.print(
+            f"  without accumulation (one micro-step per optimizer step): "
+            f"{result.max_micro_batch_without_accumulation}"
+        )
+    out.print(f"  verified for: {result.loop.describe()}", highlight=False)
     out.print(
         f"  device: {result.device.name}; budget {format_bytes(result.budget_bytes)} "
         f"({result.budget_policy}), headroom {format_bytes(result.headroom_bytes)}, "
@@ -94,6 +115,8 @@ def _print_summary(result: ProbeResult) -> None:
     )
     for line in _prediction_lines(result):
         out.print(line)
+    for line in _confirmation_lines(result):
+        out.print(line, highlight=False)
     if result.plan is not None:
         for line in _plan_lines(result.plan):
             out.print(line)
@@ -152,6 +175,14 @@ def probe(
     plot: Annotated[
         str | None, typer.Option(help="Write a PNG of memory against batch size (needs the plot extra).")
     ] = None,
+    prefetch: Annotated[
+        int, typer.Option(help="Further batches your loader holds on the device during a step (e.g. 1 for Accelerate).")
+    ] = 0,
+    confirm: Annotated[
+        bool,
+        typer.Option("--confirm/--no-confirm", help="Run the answer again in a fresh process after the search."),
+    ] = True,
+    confirm_steps: Annotated[int, typer.Option(help="Optimizer steps of each fresh-process confirmation run.")] = 2,
 ) -> None:
     """Probe the largest micro-batch of TARGET that fits within the budget."""
     if publish is not None and not publish.startswith(("http://", "https://")):
@@ -177,6 +208,9 @@ def probe(
                 min_free_memory=parse_size(min_free_memory) if min_free_memory else None,
                 search=_choice(search, ("plain", "predict"), "--search"),
                 objective=_choice(objective, ("memory", "throughput"), "--objective"),
+                prefetch=prefetch,
+                confirm=confirm,
+                confirm_steps=confirm_steps,
             )
         )
     except ValueError as exc:  # pydantic's ValidationError
@@ -212,18 +246,31 @@ def _run_with_progress(request: ProbeRequest, in_process: bool, timeout: float |
     title = f"probing {request.target}"
 
     def run(on_trial: Callable[[TrialRecord], None]) -> ProbeResult:
-        if in_process:
-            return run_probe(request, on_trial=on_trial)
-        from autotune.isolation import run_isolated
+        from autotune.confirm import probe_and_confirm
 
-        return run_isolated(request, timeout or get_settings().probe_timeout, on_trial=on_trial)
+        return probe_and_confirm(
+            request,
+            timeout=timeout or get_settings().probe_timeout,
+            in_process=in_process,
+            on_trial=on_trial,
+            on_run=confirming,
+        )
+
+    def confirming(t: TrialRecord) -> None:
+        verdict = "fits" if t.fits else "OOM"
+        loop = f"{t.micro_steps} micro-steps" if t.micro_steps > 1 else "1 micro-step"
+        err.print(
+            f"confirm: batch {t.batch} in a fresh process ({loop} per optimizer step): {verdict}, "
+            f"peak {format_bytes(t.peak_reserved_bytes)}, {t.seconds:.2f} s",
+            highlight=False,
+        )
 
     if not err.is_terminal:
 
         def log(t: TrialRecord) -> None:
             verdict = "fits" if t.fits else "OOM "
             err.print(
-                f"trial {len(trials) + 1:3d}: batch {t.batch:6d} {verdict} "
+                f"trial {len(trials) + 1:3d}: batch {t.batch:6d} x{t.micro_steps} {verdict} "
                 f"peak {format_bytes(t.peak_reserved_bytes):>10} {t.seconds:6.2f} s",
                 highlight=False,
             )
@@ -237,6 +284,24 @@ def _run_with_progress(request: ProbeRequest, in_process: bool, timeout: float |
             live.update(_trial_table(trials, title), refresh=True)
 
         return run(show)
+
+
+def _confirmation_lines(result: ProbeResult) -> list[str]:
+    c = result.confirmation
+    if c is None:
+        return ["  unconfirmed: this result has no fresh-process confirmation"]
+    if c.status == "skipped":
+        return [f"  {c.note}"]
+    lines = []
+    for check in c.checks:
+        sizes = ", ".join(f"{r.batch} {'fits' if r.fits else 'OOM'}" for r in check.runs)
+        lines.append(
+            f"  confirmed in a fresh process: {check.answer} {check.confirmed} "
+            f"({check.loop.micro_steps} micro-step(s) × {check.loop.steps} optimizer steps; runs: {sizes})"
+        )
+    if c.status == "stepped-down":
+        lines.append(f"  [yellow]stepped down:[/] {c.note}")
+    return lines
 
 
 def _prediction_lines(result: ProbeResult) -> list[str]:

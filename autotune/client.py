@@ -218,8 +218,7 @@ class AutotuneClient:
         options: dict[str, Any],
         optimizer: str | None,
     ) -> Plan:
-        from autotune.isolation import run_isolated
-        from autotune.plan import plan
+        from autotune.confirm import probe_and_confirm
         from autotune.probe import ProbeRequest
         from autotune.registry import load_registry
         from autotune.settings import get_settings
@@ -238,11 +237,15 @@ class AutotuneClient:
                 steps=entry.steps,
                 max_batch=entry.max_batch,
                 granularity=entry.granularity,
+                effective_batch=effective_batch,
+                world_size=world_size,
+                policy=policy,
             )
         except ValueError as exc:  # pydantic's ValidationError
             raise errors.ConfigError(f"cannot probe {workload!r} locally: {exc}") from None
-        result = run_isolated(request, settings.probe_timeout)
-        return plan(effective_batch, result.max_micro_batch, world_size, policy)
+        result = probe_and_confirm(request, timeout=settings.probe_timeout)
+        assert result.plan is not None  # the request had an effective batch
+        return result.plan
 
     def _send(
         self,

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from autotune.errors import ConfigError
 from autotune.probe import headroom_bytes
 from autotune.registry import RegisteredWorkload
-from autotune.results import ProbeResult
+from autotune.results import SCHEMA_VERSION, ProbeResult
 from autotune.units import format_bytes
 from autotune.workload import OptionValue
 
@@ -67,6 +67,10 @@ class ProbeKey(BaseModel):
     steps: int
     max_batch: int | None
     granularity: int
+    prefetch: int = 0
+    # Results of schema 1 were verified for one micro-step only: they must not answer a request
+    # whose plan may accumulate, so the schema is part of the key.
+    schema_version: int = SCHEMA_VERSION
     device: DeviceKey
     limit_bytes: int | None = Field(description="budget - headroom; None for a free-memory budget.")
     free_budget: FreeBudget | None = None
@@ -116,6 +120,7 @@ def key_for_request(
         steps=entry.steps if steps is None else steps,
         max_batch=entry.max_batch if max_batch is None else max_batch,
         granularity=entry.granularity if granularity is None else granularity,
+        prefetch=entry.prefetch,
         device=device,
         limit_bytes=limit,
         free_budget=free,
@@ -149,6 +154,8 @@ def key_from_result(result: ProbeResult) -> ProbeKey | None:
         steps=result.workload.steps,
         max_batch=result.max_batch_cap,
         granularity=result.granularity,
+        prefetch=result.loop.prefetch,
+        schema_version=result.schema_version,
         device=device,
         limit_bytes=result.limit_bytes,
     )

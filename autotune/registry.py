@@ -12,7 +12,7 @@ says `builtins = false`:
     target = "gpt"                      # a built-in example or module:attribute
     description = "2-layer GPT, 64 tokens"
     options = { layers = 2, seq_len = 64 }
-    max_batch = 4096                    # optional probe defaults: max_batch, granularity, steps
+    max_batch = 4096                    # optional probe defaults: max_batch, granularity, steps, prefetch
     granularity = 8
 
 Loading resolves every entry once (`autotune.workload.resolve`: it imports the target's module and
@@ -56,6 +56,7 @@ class RegisteredWorkload(BaseModel):
     steps: int = Field(default=2, ge=1, le=100, description="Training steps per trial.")
     max_batch: int | None = Field(default=None, ge=1, description="Never try more than this.")
     granularity: int = Field(default=1, ge=1, description="Only try multiples of this.")
+    prefetch: int = Field(default=0, ge=0, le=16, description="Batches the job's loader holds on the device.")
 
 
 class _Entry(BaseModel):
@@ -69,6 +70,7 @@ class _Entry(BaseModel):
     steps: int = Field(default=2, ge=1, le=100)
     max_batch: int | None = Field(default=None, ge=1)
     granularity: int = Field(default=1, ge=1)
+    prefetch: int = Field(default=0, ge=0, le=16)
 
 
 class Registry:
@@ -138,6 +140,7 @@ def register(name: str, entry: Mapping[str, Any], *, where: str = "workloads") -
         steps=spec.steps,
         max_batch=spec.max_batch,
         granularity=spec.granularity,
+        prefetch=spec.prefetch,
     )
 
 
