@@ -299,10 +299,12 @@ def _check_result(result: ProbeResult) -> None:
         problems.append("limit_bytes must equal budget_bytes - headroom_bytes")
     if result.limit_bytes < 1:
         problems.append("limit_bytes must be positive")
-    if not any(t.fits and t.batch == result.max_micro_batch for t in result.trials):
+    # The answer's evidence: trials of its loop shape, and fresh-process runs that lowered it.
+    evidence = result.evidence()
+    if not any(t.fits and t.batch == result.max_micro_batch for t in evidence):
         problems.append(f"no fitting trial at max_micro_batch {result.max_micro_batch}")
     above = result.max_micro_batch + result.granularity
-    if not result.capped and not any(not t.fits and t.batch == above for t in result.trials):
+    if not result.capped and not any(not t.fits and t.batch == above for t in evidence):
         problems.append(f"not capped, yet no failed trial at {above} (max_micro_batch + granularity)")
     if not _finite(result.model_dump()):
         problems.append("numbers must be finite (no NaN or Infinity)")

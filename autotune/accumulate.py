@@ -30,6 +30,7 @@ The weight arithmetic is pure functions; nothing here imports torch at import ti
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from autotune.errors import ConfigError
 from autotune.plan import Plan
+
+_log = logging.getLogger("autotune")
 
 if TYPE_CHECKING:
     import torch
@@ -176,6 +179,13 @@ class MicroStep(Generic[B]):
         return context
 
 
+def _window_size(steps: Plan | int) -> int:
+    size = steps.accumulation_steps if isinstance(steps, Plan) else steps
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"accumulation steps must be an integer >= 1, got {size!r}")
+    return size
+
+
 def _windows(batches: Iterable[B], size: int) -> Iterator[list[B]]:
     iterator = iter(batches)
     while window := list(islice(iterator, size)):
@@ -195,24 +205,191 @@ def accumulate(
     dimension), tokens for token-weighted losses (e.g. `lambda b: b["mask"].sum()`). A window's
     micro-batches are read before its first micro-step is yielded, to know the window's total.
     """
-    size = steps.accumulation_steps if isinstance(steps, Plan) else steps
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ConfigError(f"accumulation steps must be an integer >= 1, got {size!r}")
+    for number, window in enumerate(_windows(batches, _window_size(steps))):
+        yield from accumulate_window(number, window, count=count, ranks=ranks)
+
+
+# The OOM guard ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ShrinkEvent:
+    """A window ran out of memory and is redone with smaller micro-batches."""
+
+    window: int
+    old_micro_batch: int
+    new_micro_batch: int
+    message: str
+
+
+def split_batch(batch: B, size: int) -> list[B]:
+    """Cut a micro-batch into pieces of at most `size` samples along the first dimension.
+
+    Tensors (and anything with `.shape` and slicing) are cut; tuples, lists and mappings are cut
+    element by element (what the default collate makes of `(x, y)` or `{"input_ids": ...}`);
+    other values are repeated in every piece. The pieces are views: cutting allocates nothing."""
+    n = count_samples(batch)
+    return [_slice(batch, start, min(start + size, n), n) for start in range(0, n, size)]
+
+
+def _slice(value: Any, start: int, stop: int, n: int) -> Any:
+    shape = getattr(value, "shape", None)
+    if shape is not None and len(shape) >= 1 and shape[0] == n:
+        return value[start:stop]
+    if isinstance(value, Mapping):
+        sliced = {k: _slice(v, start, stop, n) for k, v in value.items()}
+        kind: Any = type(value)
+        try:
+            return kind(sliced)
+        except TypeError:
+            return sliced
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(_slice(v, start, stop, n) for v in value))
+    if isinstance(value, tuple | list):
+        return type(value)(_slice(v, start, stop, n) for v in value)
+    return value
+
+
+class OOMGuard:
+    """Accumulation that survives an out-of-memory error in a micro-step, gradient unchanged.
+
+        guard = OOMGuard(model, on_shrink=print)
+        for window in guard.windows(loader, plan):
+            window.run(lambda step: step.scale(loss_fn(model(step.batch[0]), step.batch[1])).backward())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    `window.run(fn)` calls `fn(step)` for each micro-step (inside `step.sync_context(model)`); `fn`
+    runs forward and backward. When one runs out of memory (a longer sequence than probed,
+    fragmentation hours in), the guard releases the failed step after the `except` block (inside
+    it the traceback still holds the step's tensors), drops the window's partial gradients, cuts
+    the window's samples into micro-batches of half the size, and redoes the window. The weights
+    divide by the same window total, so the optimizer sees exactly the gradient of the window's
+    mean loss. The smaller size is kept for later windows; `on_shrink` (and the `autotune` logger)
+    hear of each change, e.g. to report it to the service (`AutotuneClient.report_run_oom`).
+
+    The guard assumes the window starts with no gradients (`zero_grad(set_to_none=True)` after
+    each optimizer step, the default). BatchNorm's running statistics see the failed part of the
+    window twice.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        on_shrink: Callable[[ShrinkEvent], None] | None = None,
+        count: Callable[[Any], int | torch.Tensor] | None = None,
+        ranks: AcrossRanks | None = None,
+    ) -> None:
+        self.model = model
+        self.on_shrink = on_shrink
+        self.count = count
+        self.ranks = ranks
+        self.micro_batch_limit: int | None = None  # set by the first shrink
+        self.events: list[ShrinkEvent] = []
+
+    def windows(self, batches: Iterable[B], steps: Plan | int) -> Iterator[GuardedWindow[B]]:
+        """One `GuardedWindow` per optimizer step: `steps` micro-batches of `batches` each."""
+        for number, window in enumerate(_windows(batches, _window_size(steps))):
+            yield GuardedWindow(self, number, window)
+
+    def _micro_steps(self, number: int, window: list[Any]) -> list[MicroStep[Any]]:
+        pieces = window
+        if self.micro_batch_limit is not None:
+            pieces = [piece for batch in window for piece in split_batch(batch, self.micro_batch_limit)]
+        return list(accumulate_window(number, pieces, count=self.count, ranks=self.ranks))
+
+    def _shrink(self, number: int, window: list[Any], message: str) -> None:
+        current = self.micro_batch_limit or max(count_samples(b) for b in window)
+        if current <= 1:
+            from autotune.errors import RunOutOfMemoryError
+
+            raise RunOutOfMemoryError(
+                f"window {number} ran out of memory even with micro-batches of 1 sample: {message}"
+            )
+        event = ShrinkEvent(number, current, -(-current // 2), message)
+        self.micro_batch_limit = event.new_micro_batch
+        self.events.append(event)
+        _log.warning(
+            "autotune: window %d ran out of memory at micro-batch %d; redoing it with micro-batches of %d (%s)",
+            number,
+            event.old_micro_batch,
+            event.new_micro_batch,
+            message,
+        )
+        if self.on_shrink is not None:
+            self.on_shrink(event)
+
+
+class GuardedWindow(Generic[B]):
+    """The micro-batches of one optimizer step, run by `run` with the guard's recovery."""
+
+    def __init__(self, guard: OOMGuard, number: int, batches: list[B]) -> None:
+        self.guard = guard
+        self.number = number
+        self.batches = batches
+
+    def run(self, micro_step: Callable[[MicroStep[B]], object]) -> list[object]:
+        """Run `micro_step(step)` for each micro-step of the window; return what each returned
+        (of the attempt that completed)."""
+        from autotune import oom
+
+        guard = self.guard
+        while True:
+            failure: str | None = None
+            outputs: list[object] = []
+            try:
+                for step in guard._micro_steps(self.number, self.batches):
+                    with step.sync_context(guard.model):
+                        outputs.append(micro_step(step))
+                return outputs
+            except Exception as exc:
+                reason = oom.classify(exc)
+                if reason is None or reason.kind is not oom.OOMKind.OOM:
+                    raise
+                failure = reason.message
+                oom.release(exc)
+            # Outside the `except` block: the failed step's tensors are gone with the traceback.
+            del outputs
+            _drop_gradients(guard.model)
+            guard._shrink(self.number, self.batches, failure)
+
+
+def accumulate_window(
+    number: int,
+    window: list[B],
+    *,
+    count: Callable[[B], int | torch.Tensor] | None = None,
+    ranks: AcrossRanks | None = None,
+) -> Iterator[MicroStep[B]]:
+    """The micro-steps of one window (what `accumulate` yields for it)."""
     counter: Callable[[B], object] = count if count is not None else count_samples
     world_size = ranks.world_size if ranks is not None else 1
-    for number, window in enumerate(_windows(batches, size)):
-        counts = [_to_count(counter(batch)) for batch in window]
-        total = ranks.total(sum(counts)) if ranks is not None else sum(counts)
-        weights = mean_loss_weights(counts, total, world_size)
-        per_unit = sum_loss_weight(total, world_size)
-        for index, (batch, n, weight) in enumerate(zip(window, counts, weights, strict=True)):
-            yield MicroStep(
-                batch=batch,
-                window=number,
-                index=index,
-                window_size=len(window),
-                count=n,
-                total=total,
-                weight=weight,
-                sum_weight=per_unit,
-            )
+    counts = [_to_count(counter(batch)) for batch in window]
+    total = ranks.total(sum(counts)) if ranks is not None else sum(counts)
+    weights = mean_loss_weights(counts, total, world_size)
+    per_unit = sum_loss_weight(total, world_size)
+    for index, (batch, n, weight) in enumerate(zip(window, counts, weights, strict=True)):
+        yield MicroStep(
+            batch=batch,
+            window=number,
+            index=index,
+            window_size=len(window),
+            count=n,
+            total=total,
+            weight=weight,
+            sum_weight=per_unit,
+        )
+
+
+def _drop_gradients(model: Any) -> None:
+    """Forget the window's partial gradients and give cached blocks back before the redo."""
+    import gc
+
+    import torch
+
+    for p in model.parameters():
+        p.grad = None
+    # A reference cycle in user code can still hold the failed step's tensors; an OOM in a run
+    # is rare enough to pay for a full collection.
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

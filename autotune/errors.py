@@ -74,6 +74,10 @@ class InsufficientMemoryError(ProbeError):
     """The device's free memory is below the minimum a probe needs to start."""
 
 
+class RunOutOfMemoryError(AutotuneError):
+    """A training run's micro-step ran out of memory even after the guard shrank it to one sample."""
+
+
 class DeviceError(AutotuneError):
     """A device that does not exist or cannot be used."""
 

@@ -243,6 +243,14 @@ class ProbeResult(BaseModel):
         wanted = self.loop.micro_steps if micro_steps is None else micro_steps
         return [t for t in self.trials if t.micro_steps == wanted]
 
+    def evidence(self) -> list[TrialRecord]:
+        """Every run of the answer's loop kind: search trials and fresh-process confirmation runs."""
+        accumulates = self.loop.accumulates
+        runs = [t for t in self.trials if (t.micro_steps > 1) == accumulates]
+        if self.confirmation is not None:
+            runs += [r for c in self.confirmation.checks if c.loop.accumulates == accumulates for r in c.runs]
+        return runs
+
     def make_plan(self, effective_batch: int, world_size: int = 1, policy: Policy | str = Policy.FEWEST_STEPS) -> Plan:
         """A plan that combines each micro-batch only with a loop shape it was verified for: one
         micro-step of E/W when that fits without accumulation, else accumulation with the answer

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from autotune.results import DeviceInfo, ProbeResult, TrialRecord, Versions, WorkloadRef
+from autotune.results import DeviceInfo, LoopShape, ProbeResult, TrialRecord, Versions, WorkloadRef
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -216,6 +216,8 @@ def make_result(
     ]
     trials.append(TrialRecord(batch=max_micro_batch, fits=True, seconds=0.1, step_seconds=0.05))
     trials.append(TrialRecord(batch=max_micro_batch + 1, fits=False, seconds=0.1, oom_message="out of memory"))
+    # The answer is verified with accumulation, as a probe's is.
+    trials = [t.model_copy(update={"micro_steps": 2}) for t in trials]
     document: dict[str, Any] = dict(
         fingerprint=fingerprint,
         workload=WorkloadRef(
@@ -236,6 +238,7 @@ def make_result(
         limit_bytes=total_bytes - headroom_bytes,
         max_micro_batch=max_micro_batch,
         capped=False,
+        loop=LoopShape(micro_steps=2),
         trials=trials,
         versions=Versions(autotune="0.1.0", torch="2.13.0", cuda=None, python="3.11"),
     )

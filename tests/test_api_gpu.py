@@ -21,7 +21,7 @@ from api import create_app
 from api.devices import snapshot
 from autotune import nvml
 from autotune.probe import ProbeRequest, headroom_bytes
-from autotune.results import DeviceInfo, ProbeResult, TrialRecord, Versions, WorkloadRef
+from autotune.results import DeviceInfo, LoopShape, ProbeResult, TrialRecord, Versions, WorkloadRef
 from autotune.settings import Settings
 from tests.nvml_standin import FakeGpu, FakeNvml
 from tests.serving import WORKLOADS_TOML
@@ -75,7 +75,8 @@ class FakeRunner:
             max_micro_batch=16,
             capped=True,
             max_batch_cap=request.max_batch,
-            trials=[TrialRecord(batch=b, fits=True, seconds=0.01) for b in (1, 2, 4, 8, 16)],
+            loop=LoopShape(micro_steps=2),
+            trials=[TrialRecord(batch=b, fits=True, seconds=0.01, micro_steps=2) for b in (1, 2, 4, 8, 16)],
             versions=Versions(autotune="0.1.0", torch="2.13.0", cuda="13.0", python="3.12"),
         )
 
@@ -210,7 +211,8 @@ def _published(name: str, total: int) -> dict[str, Any]:
         max_micro_batch=16,
         capped=True,
         max_batch_cap=16,
-        trials=[TrialRecord(batch=b, fits=True, seconds=0.01) for b in (1, 2, 4, 8, 16)],
+        loop=LoopShape(micro_steps=2),
+        trials=[TrialRecord(batch=b, fits=True, seconds=0.01, micro_steps=2) for b in (1, 2, 4, 8, 16)],
         versions=Versions(autotune="0.1.0", torch="2.13.0", cuda="13.0", python="3.12"),
     )
     return result.model_dump(mode="json")
