@@ -46,10 +46,11 @@ INIT = 2
 # The 4-byte detached clone of the loss that Lightning keeps during every step.
 LIGHTNING_LOSS_COPY = rounded(4)
 
-# Lightning's CPU-training advice (num_workers, ...): not what is tested here.
+# Lightning's CPU-training advice (num_workers, ...) and its use of torch's deprecated pytree
+# LeafSpec: not what is tested here.
 pytestmark = [
     pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning"),
-    pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.*is deprecated:FutureWarning"),
 ]
 
 

@@ -104,10 +104,14 @@ def test_without_the_guard_the_same_window_runs_out_of_memory(
     model, x, y, limit = setting
     device = BudgetDevice(limit)
     device.track([*model.parameters(), x, y])
-    with device.active(), pytest.raises(torch.OutOfMemoryError):
+
+    def unguarded() -> None:
         for step in accumulate(_micro_batches(x, y, [4, 8]), 2):
             xb, yb = step.batch
             step.scale(nn.functional.mse_loss(model(xb), yb)).backward()
+
+    with device.active(), pytest.raises(torch.OutOfMemoryError):
+        unguarded()
     model.zero_grad(set_to_none=True)
 
 
@@ -140,9 +144,13 @@ def test_one_sample_that_does_not_fit_is_a_clear_error() -> None:
     device = BudgetDevice(64 * 1024)  # less than the parameters' gradients
     device.track([*model.parameters(), x, y])
     guard = OOMGuard(model)
+    (window,) = guard.windows([(x, y)], 1)
+
+    def micro_step(step):  # type: ignore[no-untyped-def]
+        step.scale(nn.functional.mse_loss(model(step.batch[0]), step.batch[1])).backward()
+
     with device.active(), pytest.raises(RunOutOfMemoryError, match="micro-batches of 1 sample"):
-        for window in guard.windows([(x, y)], 1):
-            window.run(lambda step: step.scale(nn.functional.mse_loss(model(step.batch[0]), step.batch[1])).backward())
+        window.run(micro_step)
 
 
 def test_split_batch_cuts_tensors_tuples_and_mappings_into_views() -> None:
