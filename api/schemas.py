@@ -121,6 +121,29 @@ class PlanQuery(_MemoryFields):
     )
 
 
+class RunFailureReport(_MemoryFields):
+    """`POST /v1/run-failures`: a run of a planned job ran out of memory at `micro_batch`."""
+
+    workload: str = Field(pattern=NAME_PATTERN, description="A registered workload.")
+    device: str | None = Field(default=None, pattern=DEVICE_PATTERN, description="cpu, cuda or cuda:N.")
+    memory: int | None = Field(default=None, description="As in the plan query: bytes or e.g. 24GiB.")
+    headroom: float | int | None = Field(default=None, description="As in the plan query: 0.05, 5% or 2GiB.")
+    precision: Literal["fp32", "bf16", "fp16"] | None = None
+    optimizer: Literal["sgd", "adam", "adamw"] | None = None
+    micro_batch: int = Field(ge=1, le=MAX_BATCH, description="The micro-batch that ran out of memory in the run.")
+    accumulates: bool = Field(default=True, description="Whether the failed window accumulated micro-steps.")
+    message: str = Field(default="", max_length=2000, description="The OOM message the run saw.")
+
+
+class RunFailureRecorded(BaseModel):
+    """What the service now answers for that query."""
+
+    request_key: str
+    max_micro_batch: int
+    max_micro_batch_without_accumulation: int | None
+    detail: str
+
+
 def query_parameters(model: type[BaseModel]) -> list[dict[str, Any]]:
     """OpenAPI `parameters` for a model read from the query string (enums inlined: a query
     parameter's schema cannot point into the model's own `$defs`)."""

@@ -34,6 +34,8 @@ from api.schemas import (
     ProbeCreate,
     ProbeView,
     Published,
+    RunFailureRecorded,
+    RunFailureReport,
     StoredView,
     WorkloadView,
     query_parameters,
@@ -42,7 +44,7 @@ from api.security import check_token
 from api.service import Service, check_plan
 from autotune.probekey import key_from_result
 from autotune.registry import UnknownWorkloadError
-from autotune.results import SCHEMA_VERSION, ProbeResult
+from autotune.results import SCHEMA_VERSION, ProbeResult, RunFailure
 
 _JOB_ID = re.compile(r"^[0-9a-f]{32}$")
 _FINGERPRINT = re.compile(r"^[0-9a-f]{64}$")
@@ -257,6 +259,46 @@ async def get_probe_plot(probe_id: str, svc: ServiceDep) -> Response:
 
 
 # Results -----------------------------------------------------------------------------------------
+@router.post(
+    "/run-failures",
+    response_model=RunFailureRecorded,
+    summary="A run ran out of memory at a planned micro-batch: lower the stored answer below it",
+    responses={404: {"description": "No stored result answers this query."}},
+)
+async def report_run_failure(body: RunFailureReport, svc: ServiceDep) -> RunFailureRecorded:
+    resolved = svc.resolve(
+        body.workload,
+        device=body.device,
+        memory=body.memory,
+        headroom=body.headroom,
+        precision=body.precision,
+        optimizer=body.optimizer,
+    )
+    cached = svc.results.get(resolved.digest)
+    if cached is None:
+        raise NotFoundError(f"no stored result answers this query for workload {body.workload!r}: nothing to lower")
+    before = cached.stored.result
+    failure = RunFailure(micro_batch=body.micro_batch, accumulates=body.accumulates, message=body.message)
+    lowered = before.lowered_by_run(failure)
+    stored = svc.store.put_result(lowered, resolved.digest, source=cached.stored.source)
+    svc.results.put(resolved.digest, stored)
+    changed = (lowered.max_micro_batch, lowered.max_micro_batch_without_accumulation) != (
+        before.max_micro_batch,
+        before.max_micro_batch_without_accumulation,
+    )
+    detail = (
+        f"recorded; plan queries now use at most {lowered.max_micro_batch} with accumulation"
+        if changed
+        else "recorded; the stored answer was already below that size (or cannot go lower)"
+    )
+    return RunFailureRecorded(
+        request_key=resolved.digest,
+        max_micro_batch=lowered.max_micro_batch,
+        max_micro_batch_without_accumulation=lowered.max_micro_batch_without_accumulation,
+        detail=detail,
+    )
+
+
 @router.post(
     "/results",
     status_code=status.HTTP_201_CREATED,

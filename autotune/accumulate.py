@@ -218,6 +218,7 @@ class ShrinkEvent:
     old_micro_batch: int
     new_micro_batch: int
     message: str
+    micro_steps: int = 1  # micro-steps of the attempt that failed: more than 1 means gradients were alive
 
 
 def split_batch(batch: B, size: int) -> list[B]:
@@ -297,7 +298,7 @@ class OOMGuard:
             pieces = [piece for batch in window for piece in split_batch(batch, self.micro_batch_limit)]
         return list(accumulate_window(number, pieces, count=self.count, ranks=self.ranks))
 
-    def _shrink(self, number: int, window: list[Any], message: str) -> None:
+    def _shrink(self, number: int, window: list[Any], message: str, micro_steps: int = 1) -> None:
         current = self.micro_batch_limit or max(count_samples(b) for b in window)
         if current <= 1:
             from autotune.errors import RunOutOfMemoryError
@@ -305,7 +306,7 @@ class OOMGuard:
             raise RunOutOfMemoryError(
                 f"window {number} ran out of memory even with micro-batches of 1 sample: {message}"
             )
-        event = ShrinkEvent(number, current, -(-current // 2), message)
+        event = ShrinkEvent(number, current, -(-current // 2), message, micro_steps)
         self.micro_batch_limit = event.new_micro_batch
         self.events.append(event)
         _log.warning(
@@ -336,8 +337,9 @@ class GuardedWindow(Generic[B]):
         while True:
             failure: str | None = None
             outputs: list[object] = []
+            steps = guard._micro_steps(self.number, self.batches)
             try:
-                for step in guard._micro_steps(self.number, self.batches):
+                for step in steps:
                     with step.sync_context(guard.model):
                         outputs.append(micro_step(step))
                 return outputs
@@ -350,7 +352,7 @@ class GuardedWindow(Generic[B]):
             # Outside the `except` block: the failed step's tensors are gone with the traceback.
             del outputs
             _drop_gradients(guard.model)
-            guard._shrink(self.number, self.batches, failure)
+            guard._shrink(self.number, self.batches, failure, len(steps))
 
 
 def accumulate_window(

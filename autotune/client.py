@@ -30,6 +30,7 @@ from typing import Any, Literal
 import httpx
 
 from autotune import errors
+from autotune.accumulate import ShrinkEvent
 from autotune.plan import Plan, Policy, parse_policy
 from autotune.results import ProbeResult
 
@@ -169,6 +170,50 @@ class AutotuneClient:
         """Store `result` on the service (`POST /v1/results`); returns its fingerprint."""
         answer = self._json(self._send("POST", "/v1/results", json=result.model_dump(mode="json")))
         return str(answer["fingerprint"])
+
+    def report_run_oom(
+        self,
+        workload: str,
+        micro_batch: int,
+        *,
+        accumulates: bool = True,
+        message: str = "",
+        device: str | None = None,
+        memory: int | str | None = None,
+        headroom: float | str | None = None,
+        precision: str | None = None,
+        optimizer: str | None = None,
+    ) -> dict[str, Any]:
+        """Tell the service that a run of its plan ran out of memory at `micro_batch` (the query
+        as for `plan`): it lowers the stored answer below that size for later queries."""
+        body = {
+            "workload": workload,
+            "micro_batch": micro_batch,
+            "accumulates": accumulates,
+            "message": message[:2000],
+            "device": device,
+            "memory": memory,
+            "headroom": headroom,
+            "precision": precision,
+            "optimizer": optimizer,
+        }
+        return self._json(
+            self._send("POST", "/v1/run-failures", json={k: v for k, v in body.items() if v is not None})
+        )
+
+    def shrink_reporter(self, workload: str, **query: Any) -> Callable[[ShrinkEvent], None]:
+        """An `OOMGuard(on_shrink=...)` callback that reports each shrink with `report_run_oom`;
+        a report that fails is logged, never raised into the training loop."""
+
+        def report(event: ShrinkEvent) -> None:
+            try:
+                self.report_run_oom(
+                    workload, event.old_micro_batch, accumulates=event.micro_steps > 1, message=event.message, **query
+                )
+            except errors.AutotuneError as exc:
+                log.warning("autotune: could not report the out-of-memory event to the service: %s", exc)
+
+        return report
 
     def workloads(self) -> list[dict[str, Any]]:
         response = self._send("GET", "/v1/workloads")

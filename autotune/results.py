@@ -195,6 +195,16 @@ class Confirmation(BaseModel):
         return sum(len(c.runs) for c in self.checks)
 
 
+class RunFailure(BaseModel):
+    """A training run that ran out of memory at a micro-batch this result had answered (reported
+    by the accumulation helper's OOM guard through the service)."""
+
+    micro_batch: int = Field(ge=1)
+    accumulates: bool = Field(description="Whether the failed window accumulated (gradients alive).")
+    message: str = ""
+    reported_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+
+
 class ProbeResult(BaseModel):
     """Everything a probe found. Stored by `fingerprint`; `max_micro_batch` is the answer."""
 
@@ -217,6 +227,9 @@ class ProbeResult(BaseModel):
     answers: list[LoopAnswer] = Field(default_factory=list, description="Each loop shape searched, and its answer.")
     confirmation: Confirmation | None = Field(
         default=None, description="The answer run again in fresh processes; status 'skipped' with --no-confirm."
+    )
+    run_failures: list[RunFailure] = Field(
+        default_factory=list, description="Runs that ran out of memory at an answer; each lowered it below the size."
     )
     max_batch_cap: int | None = None
     granularity: int = 1
@@ -242,6 +255,26 @@ class ProbeResult(BaseModel):
         """The trials of one loop shape (the answer's by default)."""
         wanted = self.loop.micro_steps if micro_steps is None else micro_steps
         return [t for t in self.trials if t.micro_steps == wanted]
+
+    def lowered_by_run(self, failure: RunFailure) -> ProbeResult:
+        """This result after a run ran out of memory at `failure.micro_batch`: the answer for that
+        loop kind drops below it (never below the granularity), and the failure is recorded."""
+        below = failure.micro_batch - self.granularity
+        acc, single = self.max_micro_batch, self.max_micro_batch_without_accumulation
+        if below >= self.granularity:
+            if failure.accumulates:
+                acc = min(acc, below)
+            else:
+                single = below if single is None else min(single, below)
+                acc = min(acc, single)
+        return self.model_copy(
+            update={
+                "max_micro_batch": acc,
+                "max_micro_batch_without_accumulation": single,
+                "capped": self.capped and acc == self.max_micro_batch,
+                "run_failures": [*self.run_failures, failure],
+            }
+        )
 
     def evidence(self) -> list[TrialRecord]:
         """Every run of the answer's loop kind: search trials and fresh-process confirmation runs."""

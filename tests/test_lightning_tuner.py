@@ -13,21 +13,27 @@ What Lightning's loop holds beyond autotune's trial (measured below, to the byte
 - Lightning keeps `loss.detach().clone()` (`ClosureResult.loss`) from the end of forward through the
   step: one 4-byte tensor, 512 bytes once rounded as CUDA's allocator rounds. The answers agree as
   long as autotune's peak at its answer is at least 512 bytes under the limit (checked below).
-- Lightning zeroes gradients after forward, not before; it does not move this model's peak, which
-  is in backward, after the zeroing.
+- Lightning zeroes gradients after forward, not before (and keeps its optimizer, state and last
+  gradients from one trial to the next): forward runs with a full set of gradients alive. That
+  does not move this model's peak, which is in backward, after the zeroing.
 - With an unsized loader (an `IterableDataset`) the fetcher holds the next batch while a step runs:
   exactly one batch more (prefetch=1), on the budget device. On a GPU that batch is the
   DataLoader's host output (`batch_to_device` runs just before the step), so it costs no GPU memory.
+  The tuner itself cannot run an unsized loader here: after the first OOM it builds the next
+  trial's loader, which prefetches a batch, inside its `except` block, while the traceback still
+  holds the failed step's tensors and the old fetcher its prefetched batch, and that OOM escapes.
 """
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from autotune import examples
 from autotune.budget import BudgetDevice, rounded
@@ -36,7 +42,6 @@ from autotune.trial import TrialRunner
 
 pl = pytest.importorskip("lightning.pytorch")
 from lightning.pytorch.tuner import Tuner  # noqa: E402
-from torch.utils.data import DataLoader, Dataset, IterableDataset  # noqa: E402
 
 IN_FEATURES, HIDDEN, LAYERS, CLASSES = 256, 256, 2, 16
 WORKLOAD = examples.mlp(in_features=IN_FEATURES, hidden=HIDDEN, layers=LAYERS, classes=CLASSES, optimizer="adamw")
@@ -46,12 +51,28 @@ INIT = 2
 # The 4-byte detached clone of the loss that Lightning keeps during every step.
 LIGHTNING_LOSS_COPY = rounded(4)
 
-# Lightning's CPU-training advice (num_workers, ...) and its use of torch's deprecated pytree
-# LeafSpec: not what is tested here.
+# Lightning's CPU-training advice (num_workers, on machines with more than 2 cores) and its use of
+# torch's deprecated pytree LeafSpec: not what is tested here.
 pytestmark = [
     pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning"),
     pytest.mark.filterwarnings("ignore:.*LeafSpec.*is deprecated:FutureWarning"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _quick() -> Iterator[None]:
+    """Speed only, no effect on memory. Lightning runs a full gc.collect() before every trial and
+    after every OOM (0.2 s each with pytest's objects): freezing what exists now leaves it only the
+    trials' objects to walk. One intra-op thread: the ops are tiny, and a second thread competing
+    with other processes for a 2-core machine made them 5x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        torch.set_num_threads(threads)
 
 
 def _sample(index: int) -> tuple[torch.Tensor, int]:
@@ -148,7 +169,6 @@ def _trial_peak(batch: int) -> int:
     return record.peak_allocated_bytes
 
 
-@pytest.mark.slow
 def test_lightning_binsearch_finds_autotunes_answer(tmp_path: Path) -> None:
     expected, runner = _autotune(LIMIT)
     # Lightning's step holds 512 B more than the trial: equality needs that much room at the answer.

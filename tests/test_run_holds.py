@@ -1,0 +1,61 @@
+"""The answer holds in the run the plan prescribes: the returned plan, run as a training loop in a
+fresh process under the probe's limit, fits for 3 optimizer steps; the same loop at micro-batch + 1
+runs out of memory. Headroom 0, so nothing hides a wrong answer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autotune.confirm import probe_and_confirm
+from autotune.probe import ProbeRequest
+from autotune.results import ProbeResult
+
+# (workload, budget, effective batch): each effective batch needs accumulation there.
+CASES = [("gpt", "128MiB", 100), ("cnn", "64MiB", 64), ("mlp", "57.75MiB", 100)]
+
+
+def _run_plan(tmp_path: Path, result: ProbeResult, micro_batches: list[int], weights: list[float]) -> dict:  # type: ignore[type-arg]
+    job = {
+        "target": result.workload.target,
+        "total_bytes": result.budget_bytes,
+        "limit_bytes": result.limit_bytes,
+        "micro_batches": micro_batches,
+        "loss_weights": weights,
+        "steps": 3,
+    }
+    path = tmp_path / f"job-{len(list(tmp_path.iterdir()))}.json"
+    path.write_text(json.dumps(job))
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.plan_run", str(path)], capture_output=True, text=True, timeout=600, check=True
+    )
+    answer: dict = json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[type-arg]
+    return answer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("target", "memory", "effective"), CASES)
+def test_the_plan_fits_in_a_fresh_run_and_one_more_sample_does_not(
+    tmp_path: Path, target: str, memory: str, effective: int
+) -> None:
+    request = ProbeRequest(target=target, device="cpu", memory=memory, headroom=0, effective_batch=effective)
+    result = probe_and_confirm(request, timeout=600, in_process=True)
+    plan = result.plan
+    assert plan is not None and plan.accumulation_steps > 1 and plan.verified_for == "accumulation"
+    assert result.confirmation is not None and result.confirmation.status == "passed"
+    fits = _run_plan(tmp_path, result, plan.micro_batches, plan.loss_weights)
+    assert fits["fits"], fits["message"]
+    assert fits["peak"] <= result.limit_bytes
+    # The plan may run less than the answer (100 over 4 steps is 25 each, under a maximum of 33):
+    # the same loop at the answer fits, and at the answer + 1 runs out of memory.
+    steps, largest = plan.accumulation_steps, plan.max_micro_batch
+    even = [1 / steps] * steps
+    at_answer = _run_plan(tmp_path, result, [largest] * steps, even)
+    assert at_answer["fits"], at_answer["message"]
+    over = _run_plan(tmp_path, result, [largest + 1] * steps, even)
+    assert not over["fits"], f"micro-batch {largest + 1} fitted: the answer was not the largest"
+    assert "out of memory" in over["message"]
