@@ -1,7 +1,9 @@
 """Run a plan as a user's training loop would, in its own process: `python -m tests.plan_run JOB.json`.
 
-Each optimizer step runs the plan's micro-batches in order (fresh inputs each, the previous ones
-dropped), every loss multiplied by its plan weight, then `optimizer.step()` and
+Each optimizer step runs the plan's micro-batches in order (fresh inputs each; the previous ones
+are dropped when the next are made, so the last micro-batch is alive during the optimizer step, as
+the loop variable of `for batch in loader` is), every loss multiplied by its plan weight, then
+`optimizer.step()` and
 `zero_grad(set_to_none=True)`, on a budget device of the given size and limit. Prints one JSON
 line: whether it fitted, the peak, and the OOM message.
 """
@@ -27,9 +29,9 @@ def run(job: dict) -> dict:  # type: ignore[type-arg]
             optimizer = workload.make_optimizer(model.parameters())
             for _ in range(job["steps"]):
                 for size, weight in zip(job["micro_batches"], job["loss_weights"], strict=True):
+                    batch = None
                     batch = workload.make_batch(size, device.torch_device)
                     (workload.loss(model, batch) * weight).backward()
-                    del batch
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
     except torch.OutOfMemoryError as exc:
