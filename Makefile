@@ -14,7 +14,9 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install -q -e ".[server,plot,dev]"
+	# Frameworks (lightning) must never replace the torch found above: pin it for the install.
+	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt
+	$(PY) -m pip install -q -e ".[server,plot,dev,lightning]" -c $(VENV)/torch-constraint.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
