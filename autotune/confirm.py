@@ -120,11 +120,12 @@ def confirm_answers(
                 return record
 
             confirmed: int | None
-            if run(batch).fits:
+            first = run(batch)
+            if first.fits:
                 confirmed = batch
             else:
                 stepped = True
-                confirmed = _step_down(run, batch, result.granularity)
+                confirmed = _step_down(run, first, result.limit_bytes, result.granularity)
             checks.append(
                 ConfirmationCheck(answer=name, loop=loop, searched=batch, confirmed=confirmed, runs=runs)  # type: ignore[arg-type]
             )
@@ -156,13 +157,22 @@ def confirm_answers(
     return result.model_copy(update={"confirmation": confirmation})
 
 
-def _step_down(run: Callable[[int], TrialRecord], failed: int, granularity: int) -> int | None:
-    """The largest size below `failed` that passes: one unit down, then wider steps, then bisect."""
-    below = failed - granularity
+def _step_down(
+    run: Callable[[int], TrialRecord], failed: TrialRecord, limit_bytes: int, granularity: int
+) -> int | None:
+    """The largest size below the failed one that passes, in few fresh processes.
+
+    The first guess scales the failed size by limit / the peak it reached when it ran out (an
+    overestimate: that peak stops at the failing allocation); then the walk and bisection of
+    `search_from_guess`, in steps of a few percent."""
+    below = failed.batch - granularity
     if below < granularity:
         return None
+    guess = below
+    if failed.peak_allocated_bytes:
+        guess = min(below, max(granularity, failed.batch * limit_bytes // failed.peak_allocated_bytes))
     try:
-        outcome = search_from_guess(run, below, cap=below, granularity=granularity)
+        outcome = search_from_guess(run, guess, cap=below, granularity=granularity, relative_miss=32)
     except NothingFitsError:
         return None
     return outcome.max_micro_batch

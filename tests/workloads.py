@@ -76,3 +76,22 @@ def _raise_cudnn_not_supported(b: int) -> None:
 
 def ambiguous() -> Workload:
     return _tiny(_raise_cudnn_not_supported)
+
+
+def fresh_process_hungry(width: int = 64) -> Workload:
+    """Needs more memory per sample in any process but the one named by AUTOTUNE_TEST_PROBE_PID:
+    stands for a job whose fresh process fits less than the probe's (allocator history on a GPU)."""
+
+    def batch(b: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hungry = os.environ.get("AUTOTUNE_TEST_PROBE_PID") != str(os.getpid())
+        extra = torch.randn(b, 2 * width, device=device) if hungry else None
+        return torch.randn(b, width, device=device), extra
+
+    return Workload(
+        name="fresh-process-hungry",
+        build_model=lambda: nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1)),
+        make_batch=batch,
+        loss=lambda model, batch: model(batch[0]).mean(),
+        optimizer="adam",
+        input_spec={"width": width},
+    )

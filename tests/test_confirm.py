@@ -1,0 +1,75 @@
+"""Confirmation in a fresh process: what the plan runs is run again in a new interpreter, and an
+answer that does not fit there is lowered to the largest size that does."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from autotune.confirm import checks_for, probe_and_confirm
+from autotune.probe import ProbeRequest
+
+HUNGRY = "tests.workloads:fresh_process_hungry"
+
+
+def test_an_answer_that_fails_in_a_fresh_process_steps_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The in-process search sees the probe's process; the confirmation's new interpreter needs more.
+    monkeypatch.setenv("AUTOTUNE_TEST_PROBE_PID", str(os.getpid()))
+    request = ProbeRequest(target=HUNGRY, device="cpu", memory="1MiB", headroom=0, effective_batch=4096)
+    result = probe_and_confirm(request, timeout=300, in_process=True)
+    confirmation = result.confirmation
+    assert confirmation is not None and confirmation.status == "stepped-down" and not confirmation.passed
+    searched = result.answers[-1].max_micro_batch
+    assert result.max_micro_batch < searched
+    plan = result.plan
+    assert plan is not None and plan.micro_batch <= result.max_micro_batch
+    assert sum(plan.micro_batches) == 4096
+    runs = [r for check in confirmation.checks for r in check.runs]
+    assert all(r.micro_steps == 3 for r in runs)  # the plan accumulates: 3 micro-steps a run
+    assert any(r.batch == result.max_micro_batch and r.fits for r in runs)
+    assert any(r.batch == result.max_micro_batch + 1 and not r.fits for r in runs)
+    # The fresh process here fits about a quarter less, far more than a GPU's allocator history
+    # costs (1-3%): still a walk and a bisection, not one size at a time.
+    assert len(runs) <= 14, [r.batch for r in runs]
+    # The lowered answer keeps its evidence, so the service accepts it when published.
+    assert any(t.batch == result.max_micro_batch and t.fits for t in result.evidence())
+
+
+def test_a_passing_confirmation_keeps_the_answer_and_says_so() -> None:
+    request = ProbeRequest(target=HUNGRY, device="cpu", memory="1MiB", headroom=0)
+    result = probe_and_confirm(request, timeout=300, in_process=True)
+    assert result.confirmation is not None and result.confirmation.status == "passed"
+    checks = {c.answer: c for c in result.confirmation.checks}
+    # Without an effective batch, both answers are confirmed, each in its own loop.
+    assert checks["max_micro_batch"].confirmed == result.max_micro_batch
+    assert checks["max_micro_batch"].loop.micro_steps == 3
+    assert checks["max_micro_batch_without_accumulation"].confirmed == result.max_micro_batch_without_accumulation
+    assert checks["max_micro_batch_without_accumulation"].loop.micro_steps == 1
+    assert result.max_micro_batch_without_accumulation is not None
+    assert result.max_micro_batch <= result.max_micro_batch_without_accumulation
+
+
+def test_no_confirm_says_the_answer_is_unconfirmed() -> None:
+    request = ProbeRequest(target=HUNGRY, device="cpu", memory="1MiB", headroom=0, confirm=False)
+    result = probe_and_confirm(request, timeout=300, in_process=True)
+    assert result.confirmation is not None and result.confirmation.status == "skipped"
+    assert "unconfirmed" in result.confirmation.note
+
+
+def test_what_is_confirmed_is_what_the_plan_runs() -> None:
+    from autotune.probe import run_probe, with_plan
+
+    base = ProbeRequest(target=HUNGRY, device="cpu", memory="1MiB", headroom=0, confirm_steps=4)
+    result = run_probe(base)
+    single = result.max_micro_batch_without_accumulation
+    assert single is not None
+    # E/W fits without accumulation: one run of E/W samples, one micro-step.
+    small = base.model_copy(update={"effective_batch": single})
+    ((name, batch, loop),) = checks_for(with_plan(result, small), small)
+    assert (name, batch, loop.micro_steps, loop.steps) == ("plan", single, 1, 4)
+    # Two accumulation steps: both micro-steps run; more than three: three.
+    for effective, micro_steps in ((2 * result.max_micro_batch, 2), (10 * result.max_micro_batch, 3)):
+        request = base.model_copy(update={"effective_batch": effective})
+        ((name, batch, loop),) = checks_for(with_plan(result, request), request)
+        assert (name, batch, loop.micro_steps) == ("plan", result.max_micro_batch, micro_steps)
