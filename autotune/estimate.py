@@ -140,7 +140,8 @@ def estimate(
     with fake_execution() as mode:
         model = fake_model(workload, mode)
         with mode:
-            runner = TrialRunner(workload, device, steps=steps, model=model)
+            # The accumulating loop: the answer that holds whatever the plan (see autotune.probe).
+            runner = TrialRunner(workload, device, steps=steps, model=model, micro_steps=probe.ACCUMULATING_MICRO_STEPS)
 
             def trial(batch: int) -> TrialRecord:
                 try:

@@ -35,7 +35,7 @@ def test_estimate_with_no_overhead_equals_the_budget_device_probe(name: str, mib
     assert guess.predicted_max_micro_batch == guess.max_micro_batch
     # Fake peaks are real peaks, to the byte: the trials at the answer agree.
     fake_peak = next(t.peak_allocated_bytes for t in guess.trials if t.batch == guess.max_micro_batch)
-    real_peak = next(t.peak_allocated_bytes for t in probe.trials if t.batch == probe.max_micro_batch)
+    real_peak = next(t.peak_allocated_bytes for t in probe.loop_trials() if t.batch == probe.max_micro_batch)
     assert fake_peak == real_peak
 
 

@@ -95,7 +95,7 @@ def test_throughput_objective_end_to_end_on_the_budget_device() -> None:
     )
     choice = result.throughput
     assert choice is not None and result.objective == "throughput"
-    fitting = {t.batch for t in result.trials if t.fits}
+    fitting = {t.batch for t in result.loop_trials() if t.fits}
     assert {c.micro_batch for c in choice.candidates} == fitting
     assert choice.micro_batch in fitting and choice.largest_micro_batch == result.max_micro_batch
     assert result.plan is not None and result.plan.micro_batch <= choice.micro_batch

@@ -20,8 +20,8 @@ MIB = 2**20
 
 def _assert_verified(result: ProbeResult) -> None:
     """The engine's guarantee, whatever the search: the answer fitted, one more did not."""
-    by_batch = {t.batch: t for t in result.trials}
-    assert len(by_batch) == len(result.trials), "a size was tried twice"
+    by_batch = {t.batch: t for t in result.loop_trials()}
+    assert len(by_batch) == len(result.loop_trials()), "a size was tried twice"
     assert by_batch[result.max_micro_batch].fits
     assert not by_batch[result.max_micro_batch + result.granularity].fits
 
@@ -38,8 +38,14 @@ def test_prediction_is_exact_on_the_budget_device_for_the_examples(name: str, mi
     _assert_verified(result)
     # Two timeline trials (listed first, counted) and the two verifying trials: nothing else.
     assert prediction.probe_trials == 2
-    assert [t.batch for t in result.trials] == [4, 2, result.max_micro_batch, result.max_micro_batch + 1]
+    assert [t.batch for t in result.loop_trials()] == [4, 2, result.max_micro_batch, result.max_micro_batch + 1]
     assert prediction.curve, "the predicted curve is reported"
+    # The same holds for the loop without accumulation, searched first.
+    single = result.answers[0]
+    assert single.loop.micro_steps == 1 and single.prediction is not None and single.prediction.exact
+    answer = single.max_micro_batch
+    assert [t.batch for t in result.loop_trials(1)] == [4, 2, answer, answer + 1]
+    assert result.max_micro_batch_without_accumulation == answer >= result.max_micro_batch
 
 
 @pytest.mark.parametrize(("name", "mibs"), [("mlp", (58, 59, 60, 62)), ("cnn", (40, 52, 80))])
@@ -123,7 +129,7 @@ def test_op_sequences_that_always_differ_fall_back_to_the_plain_search() -> None
     assert prediction.fallback_reason is not None and "differ" in prediction.fallback_reason
     _assert_verified(result)
     # The timeline trials are reused by the plain search, never repeated.
-    assert [t.batch for t in result.trials][:4] == [4, 2, 8, 1]
+    assert [t.batch for t in result.loop_trials()][:4] == [4, 2, 8, 1]
     assert result.max_micro_batch == _probe("loopy", search="plain").max_micro_batch
 
 
@@ -137,19 +143,19 @@ def test_a_probe_that_does_not_fit_falls_back() -> None:
 def test_a_cap_below_the_probes_is_never_exceeded() -> None:
     result = _probe("plain", max_batch=3)
     assert result.prediction is not None and "cap" in (result.prediction.fallback_reason or "")
-    assert max(t.batch for t in result.trials) == 3 and result.capped
+    assert max(t.batch for t in result.loop_trials()) == 3 and result.capped
 
 
 def test_a_cap_below_the_prediction_is_tried_and_reported() -> None:
     result = _probe("plain", max_batch=20)
     assert result.capped and result.max_micro_batch == 20
     assert result.prediction is not None and result.prediction.predicted_max_micro_batch == 20
-    assert [t.batch for t in result.trials] == [4, 2, 20]
+    assert [t.batch for t in result.loop_trials()] == [4, 2, 20]
 
 
 def test_granularity_probes_and_answers_on_multiples() -> None:
     result = _probe("plain", granularity=8)
-    assert all(t.batch % 8 == 0 for t in result.trials)
+    assert all(t.batch % 8 == 0 for t in result.loop_trials())
     assert result.prediction is not None and result.prediction.probe_batches == [16, 8]
     _assert_verified(result)
     assert result.max_micro_batch == _probe("plain", granularity=8, search="plain").max_micro_batch
@@ -158,7 +164,7 @@ def test_granularity_probes_and_answers_on_multiples() -> None:
 def test_plain_search_is_kept_on_request() -> None:
     result = _probe("plain", search="plain")
     assert result.search == "plain" and result.prediction is None
-    assert [t.batch for t in result.trials][:3] == [1, 2, 4]
+    assert [t.batch for t in result.loop_trials()][:3] == [1, 2, 4]
 
 
 # The envelope as pure arithmetic --------------------------------------------------------------

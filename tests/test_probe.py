@@ -26,7 +26,7 @@ def test_answer_fits_and_one_more_ooms_and_a_dense_scan_agrees(name: str, mib: i
     request = ProbeRequest(target=name, device="cpu", memory=mib * MIB)
     result = run_probe(request)
     b = result.max_micro_batch
-    by_batch = {t.batch: t for t in result.trials}
+    by_batch = {t.batch: t for t in result.loop_trials()}
     assert by_batch[b].fits
     assert not by_batch[b + 1].fits
     assert not result.capped
@@ -35,7 +35,8 @@ def test_answer_fits_and_one_more_ooms_and_a_dense_scan_agrees(name: str, mib: i
     assert result.limit_bytes == mib * MIB - result.headroom_bytes
     assert result.headroom_bytes == int(0.05 * mib * MIB)
 
-    runner = TrialRunner(load_workload(request), BudgetDevice(mib * MIB, result.limit_bytes), steps=2)
+    # The dense scan runs the accumulating loop the answer holds for.
+    runner = TrialRunner(load_workload(request), BudgetDevice(mib * MIB, result.limit_bytes), steps=2, micro_steps=2)
     sizes = range(b - MLP_WINDOW, b + 3) if name == "mlp" else range(1, b + 3)
     scan = {size: runner(size).fits for size in sizes}
     first_failure = min(size for size, fits in scan.items() if not fits)
@@ -59,7 +60,7 @@ def test_cap_reached_is_reported_and_tried() -> None:
 def test_granularity_only_tries_multiples() -> None:
     result = run_probe(ProbeRequest(target="cnn", device="cpu", memory=64 * MIB, granularity=4))
     assert all(t.batch % 4 == 0 for t in result.trials)
-    by_batch = {t.batch: t for t in result.trials}
+    by_batch = {t.batch: t for t in result.loop_trials()}
     assert by_batch[result.max_micro_batch].fits and not by_batch[result.max_micro_batch + 4].fits
 
 
