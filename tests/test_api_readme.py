@@ -67,7 +67,7 @@ def test_the_curl_session_then_the_client_in_a_training_loop(tmp_path: Path) -> 
             [sys.executable, "-c", snippet], cwd=ROOT, env=job_env, capture_output=True, text=True, timeout=300
         )
         assert job.returncode == 0, job.stderr
-        assert "micro-steps of [6, 6, 5, 5, 5, 5] samples" in job.stdout
+        assert "7 micro-steps of [5, 5, 5, 5, 4, 4, 4] samples" in job.stdout  # 5: with accumulation
         assert "last loss" in job.stdout
         with server.client() as client:
             assert metric(client, "autotune_probes_started_total", 'device="cpu"') == 0
