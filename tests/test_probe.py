@@ -137,3 +137,14 @@ def test_examples_fit_batch_eight_in_256_mib() -> None:
 def test_a_model_larger_than_the_budget_is_nothing_fits() -> None:
     with pytest.raises(NothingFitsError, match=r"the model alone does not fit within a limit of 3\.8 MiB"):
         run_probe(ProbeRequest(target="gpt", device="cpu", memory=4 * MIB))
+
+
+def test_prefetch_lowers_the_answer_by_what_it_holds() -> None:
+    plain = run_probe(ProbeRequest(target="cnn", device="cpu", memory=64 * MIB, headroom=0))
+    held = run_probe(ProbeRequest(target="cnn", device="cpu", memory=64 * MIB, headroom=0, prefetch=8))
+    assert held.max_micro_batch < plain.max_micro_batch
+    assert held.loop.prefetch == 8 and all(t.prefetch == 8 for t in held.trials)
+    assert held.fingerprint != plain.fingerprint
+    # 8 held batches of 13 images (640 KiB each) take a sample or more off the answer.
+    at = next(t for t in held.loop_trials() if t.batch == held.max_micro_batch + 1)
+    assert not at.fits

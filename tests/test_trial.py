@@ -99,3 +99,26 @@ def test_an_ambiguous_error_stops_the_probe_as_its_own_reason() -> None:
     ):
         runner(2)
     assert runner.device.live_bytes() == runner.baseline_bytes
+
+
+def test_prefetch_holds_exactly_its_batches_in_every_step() -> None:
+    from autotune.budget import rounded
+    from autotune.results import LoopShape
+
+    runner = TrialRunner(gpt(layers=1), BudgetDevice(2**30))
+    tokens = rounded(4 * 129 * 8)  # one batch of 4: int64 tokens, inputs and targets are views of it
+    peaks = [runner.run(4, LoopShape(micro_steps=2, prefetch=n)).peak_allocated_bytes for n in (0, 1, 2)]
+    assert peaks[1] - peaks[0] == tokens
+    assert peaks[2] - peaks[0] == 2 * tokens
+
+
+def test_accumulation_keeps_the_gradients_alive_in_the_next_micro_step() -> None:
+    from autotune.results import LoopShape
+
+    runner = TrialRunner(gpt(layers=1), BudgetDevice(2**30))
+    one = runner.run(8, LoopShape(micro_steps=1)).peak_allocated_bytes
+    two = runner.run(8, LoopShape(micro_steps=2)).peak_allocated_bytes
+    three = runner.run(8, LoopShape(micro_steps=3)).peak_allocated_bytes
+    assert one is not None and two is not None
+    assert two > one  # forward and backward of the second micro-step run with every gradient alive
+    assert three == two  # and nothing grows from one accumulated micro-step to the next
