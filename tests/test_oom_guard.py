@@ -160,3 +160,18 @@ def test_split_batch_cuts_tensors_tuples_and_mappings_into_views() -> None:
     assert [p["x"].shape[0] for p in pieces] == [2, 2, 1]
     assert pieces[2]["pair"][0].tolist() == [8.0] and pieces[0]["name"] == "kept"
     assert pieces[0]["x"].untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+
+
+def test_the_readme_example_shrinks_once_and_finishes(capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+    import runpy
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    example = root / "examples" / "oom_guard_loop.py"
+    namespace = runpy.run_path(str(example))
+    assert namespace["guard"].micro_batch_limit == 32
+    assert "window 0: 64 -> 32" in capsys.readouterr().out
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"```python\n(.*?)```", readme.split("`OOMGuard`.**", 1)[1], re.DOTALL)
+    assert block is not None and block.group(1) in example.read_text(encoding="utf-8")
