@@ -25,8 +25,11 @@ def test_probe_json_is_one_document_with_the_boundary() -> None:
     assert proc.returncode == 0, proc.stderr
     result = ProbeResult.model_validate_json(proc.stdout)
     b = result.max_micro_batch
-    by_batch = {t.batch: t.fits for t in result.trials}
+    by_batch = {t.batch: t.fits for t in result.loop_trials()}
     assert by_batch[b] is True and by_batch[b + 1] is False
+    assert result.loop.micro_steps == 2 and result.plan is not None and result.plan.verified_for == "accumulation"
+    assert result.confirmation is not None and result.confirmation.status == "passed"
+    assert "in a fresh process" in proc.stderr
     assert result.device.kind == "cpu-budget" and result.budget_bytes == 96 * 2**20
     assert result.plan is not None and result.plan.achieved_effective_batch == 64
     assert result.versions.torch and len(result.fingerprint) == 64
@@ -41,6 +44,19 @@ def test_probe_summary_in_process_with_user_workload_options() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "max micro-batch:" in proc.stdout
     assert "plan (exact)" in proc.stdout
+    assert "verified for: " in proc.stdout and "confirmed in a fresh process: plan" in proc.stdout
+
+
+def test_no_confirm_says_unconfirmed_and_the_loop_in_words() -> None:
+    proc = run(
+        "probe", "tests.workloads:ragged", "-o", "width=32", "--device", "cpu", "--memory", "1MiB",
+        "--headroom", "0", "--in-process", "--no-confirm", "--prefetch", "1",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "with gradient accumulation" in proc.stdout
+    assert "without accumulation (one micro-step per optimizer step):" in proc.stdout
+    assert "1 batch(es) prefetched on the device" in proc.stdout
+    assert "unconfirmed (--no-confirm)" in proc.stdout
 
 
 def test_plan_command_json() -> None:
