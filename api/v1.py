@@ -41,7 +41,7 @@ from api.schemas import (
     query_parameters,
 )
 from api.security import check_token
-from api.service import Service, check_plan
+from api.service import Resolved, Service, check_plan
 from autotune.probekey import key_from_result
 from autotune.registry import UnknownWorkloadError
 from autotune.results import SCHEMA_VERSION, ProbeResult, RunFailure
@@ -87,6 +87,18 @@ def _plan_query(request: Request) -> PlanQuery:
     return query
 
 
+def _resolve_query(svc: Service, query: PlanQuery | RunFailureReport) -> Resolved:
+    """The request key and probe request of a plan query (or of a report about its plan)."""
+    return svc.resolve(
+        query.workload,
+        device=query.device,
+        memory=query.memory,
+        headroom=query.headroom,
+        precision=query.precision,
+        optimizer=query.optimizer,
+    )
+
+
 # Plans (first: the route matched most often) ----------------------------------------------------
 @router.get(
     "/plan",
@@ -101,14 +113,7 @@ def _plan_query(request: Request) -> PlanQuery:
 async def get_plan(request: Request) -> Response:
     svc: Service = request.app.state.service
     query = _plan_query(request)
-    resolved = svc.resolve(
-        query.workload,
-        device=query.device,
-        memory=query.memory,
-        headroom=query.headroom,
-        precision=query.precision,
-        optimizer=query.optimizer,
-    )
+    resolved = _resolve_query(svc, query)
     effective_batch, world_size, policy, wait = query.effective_batch, query.world_size, query.policy, query.wait
     svc.metrics.plan_requests.inc()
     cached = svc.results.get(resolved.digest)
@@ -266,14 +271,7 @@ async def get_probe_plot(probe_id: str, svc: ServiceDep) -> Response:
     responses={404: {"description": "No stored result answers this query."}},
 )
 async def report_run_failure(body: RunFailureReport, svc: ServiceDep) -> RunFailureRecorded:
-    resolved = svc.resolve(
-        body.workload,
-        device=body.device,
-        memory=body.memory,
-        headroom=body.headroom,
-        precision=body.precision,
-        optimizer=body.optimizer,
-    )
+    resolved = _resolve_query(svc, body)
     cached = svc.results.get(resolved.digest)
     if cached is None:
         raise NotFoundError(f"no stored result answers this query for workload {body.workload!r}: nothing to lower")
