@@ -58,9 +58,11 @@ def render_plot(result: ProbeResult) -> bytes:
             linewidth=1.5,
             label="predicted peak",
         )
+    # The answer's loop shape only: its trials and its predicted curve describe one loop.
     # On CUDA the limit applies to reserved memory; on the budget device reserved == allocated.
-    fits = [t for t in result.trials if t.fits]
-    fails = [t for t in result.trials if not t.fits]
+    shown = result.loop_trials()
+    fits = [t for t in shown if t.fits]
+    fails = [t for t in shown if not t.fits]
     if fits:
         ax.scatter(
             [t.batch for t in fits],
@@ -94,7 +96,8 @@ def render_plot(result: ProbeResult) -> bytes:
         linewidth=1.5,
         label=f"answer: {result.max_micro_batch}" + (" (capped)" if result.capped else ""),
     )
-    title = f"{result.workload.target} on {result.device.name}"
+    loop = "with accumulation" if result.loop.accumulates else "one micro-step"
+    title = f"{result.workload.target} on {result.device.name} ({loop})"
     if prediction is not None and prediction.predicted_max_micro_batch is not None:
         title += f" — predicted {prediction.predicted_max_micro_batch}, found {result.max_micro_batch}"
     ax.set_title(title, fontsize=10)
