@@ -292,11 +292,11 @@ class OOMGuard:
         for number, window in enumerate(_windows(batches, _window_size(steps))):
             yield GuardedWindow(self, number, window)
 
-    def _micro_steps(self, number: int, window: list[Any]) -> list[MicroStep[Any]]:
+    def _micro_steps(self, number: int, window: list[Any], total: int | None) -> list[MicroStep[Any]]:
         pieces = window
         if self.micro_batch_limit is not None:
             pieces = [piece for batch in window for piece in split_batch(batch, self.micro_batch_limit)]
-        return list(accumulate_window(number, pieces, count=self.count, ranks=self.ranks))
+        return list(accumulate_window(number, pieces, count=self.count, ranks=self.ranks, total=total))
 
     def _shrink(self, number: int, window: list[Any], message: str, micro_steps: int = 1) -> None:
         current = self.micro_batch_limit or max(count_samples(b) for b in window)
@@ -334,10 +334,12 @@ class GuardedWindow(Generic[B]):
         from autotune import oom
 
         guard = self.guard
+        total: int | None = None  # the window's total, summed over ranks once: a redo must not all-reduce again
         while True:
             failure: str | None = None
             outputs: list[object] = []
-            steps = guard._micro_steps(self.number, self.batches)
+            steps = guard._micro_steps(self.number, self.batches, total)
+            total = steps[0].total if steps else 0
             try:
                 for step in steps:
                     with step.sync_context(guard.model):
@@ -361,12 +363,15 @@ def accumulate_window(
     *,
     count: Callable[[B], int | torch.Tensor] | None = None,
     ranks: AcrossRanks | None = None,
+    total: int | None = None,
 ) -> Iterator[MicroStep[B]]:
-    """The micro-steps of one window (what `accumulate` yields for it)."""
+    """The micro-steps of one window (what `accumulate` yields for it); `total`, when known, is
+    the window's total (over ranks), which cutting the window into pieces does not change."""
     counter: Callable[[B], object] = count if count is not None else count_samples
     world_size = ranks.world_size if ranks is not None else 1
     counts = [_to_count(counter(batch)) for batch in window]
-    total = ranks.total(sum(counts)) if ranks is not None else sum(counts)
+    if total is None:
+        total = ranks.total(sum(counts)) if ranks is not None else sum(counts)
     weights = mean_loss_weights(counts, total, world_size)
     per_unit = sum_loss_weight(total, world_size)
     for index, (batch, n, weight) in enumerate(zip(window, counts, weights, strict=True)):

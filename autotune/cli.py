@@ -107,7 +107,8 @@ def _print_summary(result: ProbeResult) -> None:
     )
     if at is not None:
         out.print(f"  peak at {at.batch}: {format_bytes(at.peak_reserved_bytes)} reserved")
-    failed = next((t for t in result.trials if t.batch == result.max_micro_batch + result.granularity), None)
+    above = result.max_micro_batch + result.granularity
+    failed = next((t for t in result.evidence() if t.batch == above and not t.fits), None)
     if failed is not None:
         out.print(f"  {failed.batch} ran out of memory: {failed.oom_message}")
     out.print(

@@ -282,6 +282,7 @@ class AutotuneClient:
                 steps=entry.steps,
                 max_batch=entry.max_batch,
                 granularity=entry.granularity,
+                prefetch=entry.prefetch,
                 effective_batch=effective_batch,
                 world_size=world_size,
                 policy=policy,

@@ -36,9 +36,9 @@ from autotune.search import search_from_guess
 # Micro-steps of an accumulating confirmation run: the second and third both run with gradients
 # alive, so a third shows that nothing grows from one accumulated micro-step to the next.
 CONFIRM_MICRO_STEPS = 3
-# Rounds of "confirm what the plan runs": a step-down can turn a one-micro-step plan into an
-# accumulating one, which is then confirmed; a third round is never needed, a fourth is a bug.
-MAX_ROUNDS = 3
+# Checks: each answer and the plan once, and again after a step-down lowers one (at most two
+# lowerings per loop kind can change what the plan runs); more is a bug.
+MAX_CHECKS = 8
 
 RunCallback = Callable[[TrialRecord], None]
 FreshRun = Callable[[int, LoopShape], TrialRecord]
@@ -63,15 +63,19 @@ def _loop(micro_steps: int, request: ProbeRequest) -> LoopShape:
 
 
 def checks_for(result: ProbeResult, request: ProbeRequest) -> list[tuple[str, int, LoopShape]]:
-    """(answer name, micro-batch, loop) for each run the result's answer needs."""
-    if result.plan is not None:
-        p = result.plan
-        micro = 1 if p.accumulation_steps == 1 else min(p.accumulation_steps, CONFIRM_MICRO_STEPS)
-        return [("plan", p.micro_batch, _loop(micro, request))]
+    """(answer name, micro-batch, loop) for each run the result's answers and plan need.
+
+    Both answers are confirmed (a stored result answers later plans too); the plan's micro-batch
+    is confirmed in its own loop, which a larger answer that passed in the same loop kind covers
+    (memory grows with the batch), so `confirm_answers` runs it only when nothing covers it."""
     todo = [("max_micro_batch", result.max_micro_batch, _loop(CONFIRM_MICRO_STEPS, request))]
     if result.max_micro_batch_without_accumulation is not None:
         single = result.max_micro_batch_without_accumulation
         todo.append(("max_micro_batch_without_accumulation", single, _loop(1, request)))
+    if result.plan is not None:
+        p = result.plan
+        micro = 1 if p.accumulation_steps == 1 else min(p.accumulation_steps, CONFIRM_MICRO_STEPS)
+        todo.append(("plan", p.micro_batch, _loop(micro, request)))
     return todo
 
 
@@ -101,44 +105,49 @@ def confirm_answers(
     checks: list[ConfirmationCheck] = []
     passed_upto: dict[bool, int] = {}  # accumulates -> largest size that passed
     stepped = False
-    for _round in range(MAX_ROUNDS):
-        todo = [
-            (name, batch, loop)
-            for name, batch, loop in checks_for(result, request)
-            if batch > passed_upto.get(loop.accumulates, 0)
-        ]
-        if not todo:
+    for _check in range(MAX_CHECKS):
+        # One check at a time, each chosen from the result as it now stands: a lowered answer
+        # changes the plan, and a size that a larger passing one covers needs no run.
+        todo = next(
+            (
+                (name, batch, loop)
+                for name, batch, loop in checks_for(result, request)
+                if batch > passed_upto.get(loop.accumulates, 0)
+            ),
+            None,
+        )
+        if todo is None:
             break
-        for name, batch, loop in todo:
-            runs: list[TrialRecord] = []
+        name, batch, loop = todo
+        runs: list[TrialRecord] = []
 
-            def run(size: int, loop: LoopShape = loop, runs: list[TrialRecord] = runs) -> TrialRecord:
-                record = fresh_run(size, loop)
-                runs.append(record)
-                if on_run is not None:
-                    on_run(record)
-                return record
+        def run(size: int, loop: LoopShape = loop, runs: list[TrialRecord] = runs) -> TrialRecord:
+            record = fresh_run(size, loop)
+            runs.append(record)
+            if on_run is not None:
+                on_run(record)
+            return record
 
-            confirmed: int | None
-            first = run(batch)
-            if first.fits:
-                confirmed = batch
-            else:
-                stepped = True
-                confirmed = _step_down(run, first, result.limit_bytes, result.granularity)
-            checks.append(
-                ConfirmationCheck(answer=name, loop=loop, searched=batch, confirmed=confirmed, runs=runs)  # type: ignore[arg-type]
+        confirmed: int | None
+        first = run(batch)
+        if first.fits:
+            confirmed = batch
+        else:
+            stepped = True
+            confirmed = _step_down(run, first, result.limit_bytes, result.granularity)
+        checks.append(
+            ConfirmationCheck(answer=name, loop=loop, searched=batch, confirmed=confirmed, runs=runs)  # type: ignore[arg-type]
+        )
+        if confirmed is None:
+            raise NothingFitsError(
+                f"the probe's answer {batch} ran out of memory in a fresh process ({loop.describe()}), "
+                f"and so did every size down to {result.granularity}: {runs[-1].oom_message}",
+                peak_bytes=runs[-1].peak_allocated_bytes,
+                limit_bytes=result.limit_bytes,
             )
-            if confirmed is None:
-                raise NothingFitsError(
-                    f"the probe's answer {batch} ran out of memory in a fresh process ({loop.describe()}), "
-                    f"and so did every size down to {result.granularity}: {runs[-1].oom_message}",
-                    peak_bytes=runs[-1].peak_allocated_bytes,
-                    limit_bytes=result.limit_bytes,
-                )
-            passed_upto[loop.accumulates] = max(passed_upto.get(loop.accumulates, 0), confirmed)
-            if confirmed < batch:
-                result = lowered(result, request, loop.accumulates, confirmed)
+        passed_upto[loop.accumulates] = max(passed_upto.get(loop.accumulates, 0), confirmed)
+        if confirmed < batch:
+            result = lowered(result, request, loop.accumulates, confirmed)
     else:
         raise ProbeError("the fresh-process confirmation did not settle: report this as a bug")
     note = (
@@ -165,7 +174,7 @@ def _step_down(
     The first guess scales the failed size by limit / the peak it reached when it ran out (an
     overestimate: that peak stops at the failing allocation); then the walk and bisection of
     `search_from_guess`, in steps of a few percent."""
-    below = failed.batch - granularity
+    below = (failed.batch - 1) // granularity * granularity  # plan sizes need not be on the grid
     if below < granularity:
         return None
     guess = below
@@ -201,7 +210,7 @@ def fresh_runner(result: ProbeResult, request: ProbeRequest, timeout: float) -> 
             device_index=result.device.index,
             total_bytes=result.budget_bytes if result.device.kind == "cpu-budget" else result.device.total_bytes,
             limit_bytes=result.limit_bytes,
-            sys_path=[p for p in sys.path if p],
+            sys_path=[os.path.abspath(p or os.curdir) for p in sys.path],
         )
         return run_fresh(job, timeout)
 
@@ -214,9 +223,14 @@ def run_fresh(job: FreshRunRequest, timeout: float) -> TrialRecord:
         request_path, answer_path = Path(tmp, "request.json"), Path(tmp, "answer.json")
         request_path.write_text(job.model_dump_json())
         command = [sys.executable, "-m", "autotune.confirm", str(request_path), str(answer_path)]
+        # The child must import autotune and the workload as this process does: its sys.path,
+        # with the current directory made absolute.
+        path = [os.path.abspath(p or os.curdir) for p in [*job.sys_path, ""]]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path))}
         try:
             completed = subprocess.run(
                 command,
+                env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,

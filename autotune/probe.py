@@ -294,9 +294,7 @@ def with_plan(result: ProbeResult, request: ProbeRequest) -> ProbeResult:
             chosen,
             request.world_size,
             request.policy,
-            without_accumulation=result.max_micro_batch_without_accumulation
-            if chosen == result.max_micro_batch
-            else None,
+            without_accumulation=result.max_micro_batch_without_accumulation,
         )
     else:
         made = result.make_plan(request.effective_batch, request.world_size, request.policy)

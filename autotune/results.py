@@ -246,10 +246,7 @@ class ProbeResult(BaseModel):
 
     @property
     def trial_at_answer(self) -> TrialRecord | None:
-        return next(
-            (t for t in self.trials if t.batch == self.max_micro_batch and t.micro_steps == self.loop.micro_steps),
-            None,
-        )
+        return next((t for t in self.evidence() if t.batch == self.max_micro_batch and t.fits), None)
 
     def loop_trials(self, micro_steps: int | None = None) -> list[TrialRecord]:
         """The trials of one loop shape (the answer's by default)."""
@@ -259,7 +256,7 @@ class ProbeResult(BaseModel):
     def lowered_by_run(self, failure: RunFailure) -> ProbeResult:
         """This result after a run ran out of memory at `failure.micro_batch`: the answer for that
         loop kind drops below it (never below the granularity), and the failure is recorded."""
-        below = failure.micro_batch - self.granularity
+        below = (failure.micro_batch - 1) // self.granularity * self.granularity
         acc, single = self.max_micro_batch, self.max_micro_batch_without_accumulation
         if below >= self.granularity:
             if failure.accumulates:
@@ -277,12 +274,14 @@ class ProbeResult(BaseModel):
         )
 
     def evidence(self) -> list[TrialRecord]:
-        """Every run of the answer's loop kind: search trials and fresh-process confirmation runs."""
+        """What shows the answer: fitting runs of its loop kind, and failing runs of its loop kind or
+        of one micro-step (a size that fails without accumulation fails with it), from the search
+        and from the fresh-process confirmation."""
         accumulates = self.loop.accumulates
-        runs = [t for t in self.trials if (t.micro_steps > 1) == accumulates]
+        runs = [*self.trials]
         if self.confirmation is not None:
-            runs += [r for c in self.confirmation.checks if c.loop.accumulates == accumulates for r in c.runs]
-        return runs
+            runs += [r for c in self.confirmation.checks for r in c.runs]
+        return [r for r in runs if (r.micro_steps > 1) == accumulates or (accumulates and not r.fits)]
 
     def make_plan(self, effective_batch: int, world_size: int = 1, policy: Policy | str = Policy.FEWEST_STEPS) -> Plan:
         """A plan that combines each micro-batch only with a loop shape it was verified for: one

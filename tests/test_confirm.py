@@ -25,13 +25,13 @@ def test_an_answer_that_fails_in_a_fresh_process_steps_down(monkeypatch: pytest.
     plan = result.plan
     assert plan is not None and plan.micro_batch <= result.max_micro_batch
     assert sum(plan.micro_batches) == 4096
-    runs = [r for check in confirmation.checks for r in check.runs]
-    assert all(r.micro_steps == 3 for r in runs)  # the plan accumulates: 3 micro-steps a run
-    assert any(r.batch == result.max_micro_batch and r.fits for r in runs)
-    assert any(r.batch == result.max_micro_batch + 1 and not r.fits for r in runs)
+    accumulating = [r for check in confirmation.checks if check.loop.accumulates for r in check.runs]
+    assert all(r.micro_steps == 3 for r in accumulating)  # the plan accumulates: 3 micro-steps a run
+    assert any(r.batch == result.max_micro_batch and r.fits for r in accumulating)
+    assert any(r.batch == result.max_micro_batch + 1 and not r.fits for r in accumulating)
     # The fresh process here fits about a quarter less, far more than a GPU's allocator history
-    # costs (1-3%): still a walk and a bisection, not one size at a time.
-    assert len(runs) <= 14, [r.batch for r in runs]
+    # costs (1-3%): still a walk and a bisection per answer, not one size at a time.
+    assert len(accumulating) <= 14, [r.batch for r in accumulating]
     # The lowered answer keeps its evidence, so the service accepts it when published.
     assert any(t.batch == result.max_micro_batch and t.fits for t in result.evidence())
 
@@ -66,10 +66,37 @@ def test_what_is_confirmed_is_what_the_plan_runs() -> None:
     assert single is not None
     # E/W fits without accumulation: one run of E/W samples, one micro-step.
     small = base.model_copy(update={"effective_batch": single})
-    ((name, batch, loop),) = checks_for(with_plan(result, small), small)
-    assert (name, batch, loop.micro_steps, loop.steps) == ("plan", single, 1, 4)
+    checks = checks_for(with_plan(result, small), small)
+    # Both answers, each in its loop, then the plan's micro-batch in the plan's loop.
+    assert [(n, b, loop.micro_steps, loop.steps) for n, b, loop in checks] == [
+        ("max_micro_batch", result.max_micro_batch, 3, 4),
+        ("max_micro_batch_without_accumulation", single, 1, 4),
+        ("plan", single, 1, 4),
+    ]
     # Two accumulation steps: both micro-steps run; more than three: three.
     for effective, micro_steps in ((2 * result.max_micro_batch, 2), (10 * result.max_micro_batch, 3)):
         request = base.model_copy(update={"effective_batch": effective})
-        ((name, batch, loop),) = checks_for(with_plan(result, request), request)
+        (name, batch, loop) = checks_for(with_plan(result, request), request)[-1]
         assert (name, batch, loop.micro_steps) == ("plan", result.max_micro_batch, micro_steps)
+
+
+def test_lowering_the_one_micro_step_answer_confirms_the_accumulation_answer_in_its_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from autotune.probe import run_probe
+
+    monkeypatch.setenv("AUTOTUNE_TEST_PROBE_PID", str(os.getpid()))
+    base = ProbeRequest(target=HUNGRY, device="cpu", memory="1MiB", headroom=0)
+    single = run_probe(base).max_micro_batch_without_accumulation
+    assert single is not None
+    # E/W is the one-micro-step answer: the plan runs one micro-step, which fails in a fresh process.
+    result = probe_and_confirm(base.model_copy(update={"effective_batch": single}), timeout=300, in_process=True)
+    assert result.confirmation is not None and result.confirmation.status == "stepped-down"
+    answer = result.max_micro_batch
+    assert result.max_micro_batch_without_accumulation is not None
+    assert answer <= result.max_micro_batch_without_accumulation < single
+    # Whatever the result now says holds with accumulation ran, and fitted, with accumulation.
+    accumulating = [r for c in result.confirmation.checks if c.loop.accumulates for r in c.runs]
+    assert any(r.batch == answer and r.fits for r in accumulating)
+    assert result.plan is not None and sum(result.plan.micro_batches) == single
+    assert result.trial_at_answer is not None and result.trial_at_answer.fits

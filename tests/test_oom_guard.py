@@ -175,3 +175,29 @@ def test_the_readme_example_shrinks_once_and_finishes(capsys: pytest.CaptureFixt
     readme = (root / "README.md").read_text(encoding="utf-8")
     block = re.search(r"```python\n(.*?)```", readme.split("`OOMGuard`.**", 1)[1], re.DOTALL)
     assert block is not None and block.group(1) in example.read_text(encoding="utf-8")
+
+
+def test_a_redo_does_not_sum_the_window_over_ranks_again(
+    setting: tuple[nn.Module, torch.Tensor, torch.Tensor, int],
+) -> None:
+    from autotune.accumulate import AcrossRanks
+
+    model, x, y, limit = setting
+    device = BudgetDevice(limit)
+    device.track([*model.parameters(), x, y])
+    summed: list[int] = []  # each call is a collective under DDP: every rank must make the same number
+
+    def total(n: int) -> int:
+        summed.append(n)
+        return n
+
+    guard = OOMGuard(model, ranks=AcrossRanks(world_size=1, total=total))
+    with device.active():
+        for window in guard.windows(_micro_batches(x, y, [4, 8]), 2):
+
+            def micro_step(step):  # type: ignore[no-untyped-def]
+                step.scale(nn.functional.mse_loss(model(step.batch[0]), step.batch[1])).backward()
+
+            window.run(micro_step)
+    model.zero_grad(set_to_none=True)
+    assert len(guard.events) == 1 and summed == [12]
