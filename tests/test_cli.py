@@ -44,7 +44,7 @@ def test_probe_summary_in_process_with_user_workload_options() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "max micro-batch:" in proc.stdout
     assert "plan (exact)" in proc.stdout
-    assert "verified for: " in proc.stdout and "confirmed in a fresh process: plan" in proc.stdout
+    assert "verified for: " in proc.stdout and "confirmed in a fresh process: max_micro_batch" in proc.stdout
 
 
 def test_no_confirm_says_unconfirmed_and_the_loop_in_words() -> None:
