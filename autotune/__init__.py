@@ -5,26 +5,59 @@ Public API:
     ProbeRequest, run_probe        probe in this process (autotune.probe)
     run_isolated                   probe in a spawned child with a timeout (autotune.isolation)
     plan, Plan, Policy             accumulation plans (autotune.plan)
+    probe_and_confirm              probe, then confirm in fresh processes (autotune.confirm)
     accumulate, MicroStep, AcrossRanks  loss weights and optimizer steps in the loop (autotune.accumulate)
-    ProbeResult, TrialRecord       what a probe reports (autotune.results)
+    OOMGuard                       accumulation that survives an OOM, gradient unchanged (autotune.accumulate)
+    ProbeResult, TrialRecord, LoopShape  what a probe reports (autotune.results)
+
+The names that need torch (Workload, Precision, ProbeRequest, run_probe, run_isolated,
+probe_and_confirm) are imported on first use, so `import autotune` stays light.
 """
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from autotune.accumulate import AcrossRanks, MicroStep, accumulate
+import importlib
+from typing import Any
+
+from autotune.accumulate import AcrossRanks, MicroStep, OOMGuard, accumulate
 from autotune.plan import Plan, Policy, plan
-from autotune.results import ProbeResult, TrialRecord
+from autotune.results import LoopShape, ProbeResult, TrialRecord
+
+_LAZY = {
+    "Workload": "autotune.workload",
+    "Precision": "autotune.workload",
+    "ProbeRequest": "autotune.probe",
+    "run_probe": "autotune.probe",
+    "run_isolated": "autotune.isolation",
+    "probe_and_confirm": "autotune.confirm",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'autotune' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = [
     "AcrossRanks",
+    "LoopShape",
     "MicroStep",
+    "OOMGuard",
     "Plan",
     "Policy",
+    "Precision",
+    "ProbeRequest",
     "ProbeResult",
     "TrialRecord",
+    "Workload",
     "__version__",
     "accumulate",
     "plan",
+    "probe_and_confirm",
+    "run_isolated",
+    "run_probe",
 ]
