@@ -28,11 +28,10 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from autotune import errors
-from autotune.errors import InsufficientMemoryError, NothingFitsError, ProbeError, ProbeTimeoutError
+from autotune.errors import NothingFitsError, ProbeError, ProbeTimeoutError
 from autotune.probe import ProbeRequest, TrialCallback, run_probe, with_plan
 from autotune.results import Confirmation, ConfirmationCheck, LoopShape, ProbeResult, TrialRecord
 from autotune.search import search_from_guess
-from autotune.units import format_bytes
 
 # Micro-steps of an accumulating confirmation run: the second and third both run with gradients
 # alive, so a third shows that nothing grows from one accumulated micro-step to the next.
@@ -270,17 +269,6 @@ def _child(request_path: str, answer_path: str) -> None:
     Path(answer_path).write_text(json.dumps(answer))
 
 
-def require_free(free_bytes: int, limit_bytes: int, index: int) -> None:
-    """A confirmation run on a card where other processes hold part of the probe's limit would
-    count their memory as the answer's: refuse it instead of lowering the answer."""
-    if free_bytes < limit_bytes:
-        raise InsufficientMemoryError(
-            f"cuda:{index} has only {format_bytes(free_bytes)} free for the fresh-process confirmation, "
-            f"less than the probe's limit of {format_bytes(limit_bytes)}: other processes hold the rest; "
-            "confirm on an idle card, probe with a smaller --memory, or pass --no-confirm"
-        )
-
-
 def _one_trial(job: FreshRunRequest) -> TrialRecord:
     from autotune.budget import BudgetDevice
     from autotune.probe import load_workload
@@ -289,14 +277,9 @@ def _one_trial(job: FreshRunRequest) -> TrialRecord:
     workload = load_workload(job.probe)
     device: ProbeDevice
     if job.device_kind == "cuda":
-        import torch
-
         from autotune.gpu import CudaDevice
 
-        index = job.device_index or 0
-        device = CudaDevice(index, job.limit_bytes)
-        free, _total = torch.cuda.mem_get_info(index)
-        require_free(free, job.limit_bytes, index)
+        device = CudaDevice(job.device_index or 0, job.limit_bytes)
     else:
         device = BudgetDevice(job.total_bytes, job.limit_bytes)
     try:
