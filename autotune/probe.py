@@ -275,6 +275,7 @@ def run_probe(request: ProbeRequest, on_trial: TrialCallback | None = None) -> P
         objective=request.objective,
         throughput=throughput,
         trials=trials,
+        batch_norm=any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in runner.model.modules()),
         allocator_config=gpu.allocator_config(),
         versions=versions(),
         duration_seconds=time.perf_counter() - started,
@@ -289,12 +290,14 @@ def with_plan(result: ProbeResult, request: ProbeRequest) -> ProbeResult:
     if result.throughput is not None:
         # The throughput objective's choice is an accumulating micro-batch no larger than the answer.
         chosen = min(result.throughput.micro_batch, result.max_micro_batch)
-        made = plan_for_loops(
-            request.effective_batch,
-            chosen,
-            request.world_size,
-            request.policy,
-            without_accumulation=result.max_micro_batch_without_accumulation,
+        made = result.with_model_warnings(
+            plan_for_loops(
+                request.effective_batch,
+                chosen,
+                request.world_size,
+                request.policy,
+                without_accumulation=result.max_micro_batch_without_accumulation,
+            )
         )
     else:
         made = result.make_plan(request.effective_batch, request.world_size, request.policy)

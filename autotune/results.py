@@ -228,6 +228,11 @@ class ProbeResult(BaseModel):
     confirmation: Confirmation | None = Field(
         default=None, description="The answer run again in fresh processes; status 'skipped' with --no-confirm."
     )
+    batch_norm: bool = Field(
+        default=False,
+        description="The model has BatchNorm or SyncBatchNorm layers: with accumulation they normalize "
+        "each micro-batch by its own statistics, not the effective batch's.",
+    )
     run_failures: list[RunFailure] = Field(
         default_factory=list, description="Runs that ran out of memory at an answer; each lowered it below the size."
     )
@@ -287,7 +292,7 @@ class ProbeResult(BaseModel):
         """A plan that combines each micro-batch only with a loop shape it was verified for: one
         micro-step of E/W when that fits without accumulation, else accumulation with the answer
         verified for it."""
-        return plan_for_loops(
+        made = plan_for_loops(
             effective_batch,
             self.max_micro_batch,
             world_size,
@@ -295,3 +300,15 @@ class ProbeResult(BaseModel):
             without_accumulation=self.max_micro_batch_without_accumulation,
             accumulation_verified=self.loop.accumulates,
         )
+        return self.with_model_warnings(made)
+
+    def with_model_warnings(self, made: Plan) -> Plan:
+        """`made` with what the model makes of its accumulation (BatchNorm's statistics)."""
+        if not self.batch_norm or made.accumulation_steps == 1:
+            return made
+        warning = (
+            f"the model has BatchNorm: with {made.accumulation_steps} micro-steps its statistics (and running "
+            f"averages) come from micro-batches of at most {made.micro_batch} samples, not from the effective "
+            f"batch of {made.effective_batch}; GroupNorm or LayerNorm, or fewer, larger micro-batches, avoid it"
+        )
+        return made.model_copy(update={"warnings": [*made.warnings, warning]})

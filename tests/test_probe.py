@@ -148,3 +148,15 @@ def test_prefetch_lowers_the_answer_by_what_it_holds() -> None:
     # 8 held batches of 13 images (640 KiB each) take a sample or more off the answer.
     at = next(t for t in held.loop_trials() if t.batch == held.max_micro_batch + 1)
     assert not at.fits
+
+
+def test_an_accumulating_plan_warns_about_batch_norm_and_only_then() -> None:
+    cnn = run_probe(ProbeRequest(target="cnn", device="cpu", memory=64 * MIB, effective_batch=64))
+    assert cnn.batch_norm and cnn.plan is not None and cnn.plan.accumulation_steps > 1
+    assert any("BatchNorm" in w for w in cnn.plan.warnings)
+    # One micro-step: each batch is the effective batch, nothing to warn about.
+    one_step = cnn.make_plan(cnn.max_micro_batch)
+    assert one_step.accumulation_steps == 1 and not any("BatchNorm" in w for w in one_step.warnings)
+    gpt = run_probe(ProbeRequest(target="gpt", device="cpu", memory=128 * MIB, effective_batch=64))
+    assert not gpt.batch_norm and gpt.plan is not None and gpt.plan.accumulation_steps > 1
+    assert not any("BatchNorm" in w for w in gpt.plan.warnings)
