@@ -41,7 +41,8 @@ class LoopShape(BaseModel):
     def describe(self) -> str:
         """The loop in words, for summaries and messages."""
         micro = (
-            f"{self.micro_steps} accumulated micro-steps per optimizer step (gradients alive from the second on)"
+            f"{self.micro_steps} accumulated micro-steps per optimizer step (from the second on, each runs "
+            "with the gradients alive, so it holds for any number)"
             if self.accumulates
             else "one micro-step per optimizer step (no accumulation)"
         )
