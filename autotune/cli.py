@@ -7,6 +7,7 @@ Errors we expect (bad input, a probe that cannot answer) print one line and exit
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from collections.abc import Callable
 from typing import Annotated
 
@@ -66,7 +67,8 @@ def _plan_lines(p: Plan) -> list[str]:
         if len(sizes) <= 12
         else f"{', '.join(map(str, sizes[:10]))}, ... ({len(sizes)} steps)"
     )
-    arithmetic = " + ".join(f"{n} × {m}" for m, n in _runs(sizes))
+    # Counter keeps first-appearance order: [6, 6, 5] -> 2 × 6 + 1 × 5.
+    arithmetic = " + ".join(f"{n} × {m}" for m, n in Counter(sizes).items())
     lines = [
         f"plan ({p.policy.value}): {p.accumulation_steps} accumulation step(s) of at most {p.micro_batch} "
         f"({arithmetic}) × world size {p.world_size} = effective batch {p.achieved_effective_batch}",
@@ -77,14 +79,6 @@ def _plan_lines(p: Plan) -> list[str]:
         lines.append(f"  micro-batch {p.micro_batch} verified for {what}")
     lines += [f"  [yellow]warning:[/] {w}" for w in p.warnings]
     return lines
-
-
-def _runs(sizes: list[int]) -> list[tuple[int, int]]:
-    """(size, how many) in order of first appearance: [6, 6, 5] -> [(6, 2), (5, 1)]."""
-    counts: dict[int, int] = {}
-    for size in sizes:
-        counts[size] = counts.get(size, 0) + 1
-    return list(counts.items())
 
 
 def _print_summary(result: ProbeResult) -> None:

@@ -2,14 +2,14 @@
 
 A probe's process has a history the job's process will not have: on a GPU, a CUDA context whose
 caching allocator has already split, cached and freed blocks for a dozen trials, and workspaces
-that a fresh process allocates at other moments. So after the search, the answer the user will run
-(the plan's largest micro-batch in the plan's loop shape, or without a plan each answer in its own
-loop) runs again in a **new interpreter** (`python -m autotune.confirm`, never a re-import of the
-caller's `__main__`), one process per size, under the same limit, for `confirm_steps` optimizer
-steps of up to `CONFIRM_MICRO_STEPS` micro-steps when the loop accumulates.
+that a fresh process allocates at other moments. So after the search, each answer runs again in its own loop,
+and the plan's micro-batch in the plan's loop unless a larger size that passed covers it, in a
+**new interpreter** (`python -m autotune.confirm` with this process's `sys.path`, never a re-import
+of the caller's `__main__`), one process per size, under the same limit, for `confirm_steps`
+optimizer steps of up to `CONFIRM_MICRO_STEPS` micro-steps when the loop accumulates.
 
 When a size runs out of memory there, the answer steps down (a few more runs, each in its own fresh
-process: one unit below, then wider steps, then a bisection) to the largest size that passes, the
+process: a guess from the failed run, then wider steps, then a bisection) to the largest size that passes, the
 plan is made again from the lowered answers, and whatever the new plan runs is confirmed in turn.
 The result's `confirmation` says what ran, what passed and what changed.
 """
@@ -54,7 +54,6 @@ class FreshRunRequest(BaseModel):
     device_index: int | None
     total_bytes: int
     limit_bytes: int
-    sys_path: list[str]
 
 
 # Deciding what to confirm (pure) ---------------------------------------------------------------
@@ -210,7 +209,6 @@ def fresh_runner(result: ProbeResult, request: ProbeRequest, timeout: float) -> 
             device_index=result.device.index,
             total_bytes=result.budget_bytes if result.device.kind == "cpu-budget" else result.device.total_bytes,
             limit_bytes=result.limit_bytes,
-            sys_path=[os.path.abspath(p or os.curdir) for p in sys.path],
         )
         return run_fresh(job, timeout)
 
@@ -225,7 +223,7 @@ def run_fresh(job: FreshRunRequest, timeout: float) -> TrialRecord:
         command = [sys.executable, "-m", "autotune.confirm", str(request_path), str(answer_path)]
         # The child must import autotune and the workload as this process does: its sys.path,
         # with the current directory made absolute.
-        path = [os.path.abspath(p or os.curdir) for p in [*job.sys_path, ""]]
+        path = [os.path.abspath(p or os.curdir) for p in [*sys.path, ""]]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path))}
         try:
             completed = subprocess.run(
@@ -258,7 +256,6 @@ def run_fresh(job: FreshRunRequest, timeout: float) -> TrialRecord:
 
 def _child(request_path: str, answer_path: str) -> None:
     job = FreshRunRequest.model_validate_json(Path(request_path).read_text())
-    sys.path[:0] = [p for p in job.sys_path if p not in sys.path]
     answer: dict[str, object]
     try:
         answer = {"trial": _one_trial(job).model_dump(mode="json")}
@@ -335,8 +332,6 @@ def main() -> None:
     if len(sys.argv) != 3:
         sys.stderr.write("usage: python -m autotune.confirm REQUEST.json ANSWER.json (autotune's own use)\n")
         sys.exit(2)
-    # The fresh process must not inherit the probe's allocator history; nothing else to set up.
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     _child(sys.argv[1], sys.argv[2])
 
 
