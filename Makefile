@@ -14,9 +14,10 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==$(TORCH_VERSION)"
-	# Frameworks (lightning) must never replace the torch found above: pin it for the install.
+	# Frameworks (lightning, transformers, accelerate) must never replace the torch found above: pin it.
+	# Never torchvision: the only wheel reachable is a CUDA build that breaks `import transformers`.
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt
-	$(PY) -m pip install -q -e ".[server,plot,dev,lightning]" -c $(VENV)/torch-constraint.txt
+	$(PY) -m pip install -q -e ".[server,plot,dev,lightning,transformers,accelerate]" -c $(VENV)/torch-constraint.txt
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -90,8 +90,7 @@ def _print_summary(result: ProbeResult) -> None:
     )
     if result.max_micro_batch_without_accumulation is not None and result.loop.accumulates:
         out.print(
-            f"  without accumulation (one micro-step per optimizer step): "
-            f"{result.max_micro_batch_without_accumulation}"
+            f"  without accumulation (one micro-step per optimizer step): {result.max_micro_batch_without_accumulation}"
         )
     out.print(f"  verified for: {result.loop.describe()}", highlight=False)
     out.print(

@@ -197,9 +197,7 @@ class AutotuneClient:
             "precision": precision,
             "optimizer": optimizer,
         }
-        return self._json(
-            self._send("POST", "/v1/run-failures", json={k: v for k, v in body.items() if v is not None})
-        )
+        return self._json(self._send("POST", "/v1/run-failures", json={k: v for k, v in body.items() if v is not None}))
 
     def shrink_reporter(self, workload: str, **query: Any) -> Callable[[ShrinkEvent], None]:
         """An `OOMGuard(on_shrink=...)` callback that reports each shrink with `report_run_oom`;

@@ -172,7 +172,7 @@ def estimate(
         target=target,
         options=dict(options or {}),
         precision=workload.precision.value,
-        optimizer=workload.optimizer,
+        optimizer=workload.optimizer_name,
         steps=steps,
         memory_bytes=memory_bytes,
         headroom_bytes=headroom_bytes,

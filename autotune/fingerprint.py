@@ -44,7 +44,7 @@ def fingerprint(workload: Workload, **environment: Any) -> str:
         "structure": model_structure(workload),
         "input_spec": dict(workload.input_spec),
         "precision": str(workload.precision),
-        "optimizer": workload.optimizer,
+        "optimizer": workload.optimizer_name,
         "optimizer_kwargs": {k: repr(v) for k, v in sorted(workload.optimizer_kwargs.items())},
         "environment": environment,
     }

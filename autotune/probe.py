@@ -3,10 +3,17 @@
 `ProbeRequest` is everything a probe needs, as plain data: the CLI builds one from its flags, the
 service from a request body, and the isolated child receives one over a pipe. `run_probe` runs it
 in this process; `autotune.isolation.run_isolated` runs it in a spawned child.
+
+`probe_workload` probes a Workload *object* (live objects, `Workload.from_model`, or a framework's
+own loop through `train=`) in this process, with the request's fields as keywords: a fresh process
+cannot re-create live objects, so its confirmation is marked skipped and says why. A framework loop
+may hold more per accumulation window than two micro-steps show (the Trainer fetches a window's
+micro-batches before the first forward), so its plan is settled in the plan's own loop.
 """
 
 from __future__ import annotations
 
+import gc
 import platform
 import time
 from collections.abc import Callable
@@ -31,9 +38,9 @@ from autotune.results import (
     Versions,
     WorkloadRef,
 )
-from autotune.search import SearchOutcome, search
+from autotune.search import SearchOutcome, search, search_from_guess
 from autotune.settings import get_settings
-from autotune.trial import ProbeDevice, TrialRunner
+from autotune.trial import ProbeDevice, TrainLoop, TrialRunner
 from autotune.units import format_bytes, parse_headroom, parse_size
 from autotune.workload import OptionValue, Workload, resolve
 
@@ -201,15 +208,27 @@ def result_fingerprint(workload: Workload, request: ProbeRequest, info: DeviceIn
 ACCUMULATING_MICRO_STEPS = 2
 
 
-def run_probe(request: ProbeRequest, on_trial: TrialCallback | None = None) -> ProbeResult:
+def run_probe(
+    request: ProbeRequest,
+    on_trial: TrialCallback | None = None,
+    *,
+    workload: Workload | None = None,
+    train: Callable[[TrialRunner], TrainLoop] | None = None,
+) -> ProbeResult:
     """Search both loop shapes in this process; the fresh-process confirmation is
-    `autotune.confirm`'s. Raises ConfigError, WorkloadError or ProbeError."""
+    `autotune.confirm`'s. Raises ConfigError, WorkloadError or ProbeError.
+
+    `workload`: probe this object rather than the request's target. `train`: makes the job's own
+    loop for the runner (a framework's), run instead of the workload's step."""
     started = time.perf_counter()
-    workload = load_workload(request)
+    if workload is None:
+        workload = load_workload(request)
+    else:
+        workload = workload.with_overrides(precision=request.precision, optimizer=request.optimizer)
     device, policy, budget, room = open_device(request)
     info = device_info(device)
     key = result_fingerprint(workload, request, info, device.limit_bytes)
-    runner = TrialRunner(workload, device, steps=request.steps, prefetch=request.prefetch)
+    runner = TrialRunner(workload, device, steps=request.steps, prefetch=request.prefetch, train=train)
     single = LoopShape(micro_steps=1, steps=request.steps, prefetch=request.prefetch)
     accumulating = single.model_copy(update={"micro_steps": ACCUMULATING_MICRO_STEPS})
 
@@ -255,8 +274,9 @@ def run_probe(request: ProbeRequest, on_trial: TrialCallback | None = None) -> P
             target=request.target,
             options=request.options,
             precision=workload.precision.value,
-            optimizer=workload.optimizer,
+            optimizer=workload.optimizer_name,
             steps=request.steps,
+            input_spec=dict(workload.input_spec),
         ),
         device=info,
         budget_policy=policy,  # type: ignore[arg-type]
@@ -280,7 +300,77 @@ def run_probe(request: ProbeRequest, on_trial: TrialCallback | None = None) -> P
         versions=versions(),
         duration_seconds=time.perf_counter() - started,
     )
-    return with_plan(result, request)
+    result = with_plan(result, request)
+    if train is not None:
+        result = settle_plan(result, request, trial_in)
+    return result.model_copy(update={"duration_seconds": time.perf_counter() - started})
+
+
+def settle_plan(
+    result: ProbeResult, request: ProbeRequest, trial_in: Callable[[LoopShape], Callable[[int], TrialRecord]]
+) -> ProbeResult:
+    """Verify an accumulating plan in its own number of micro-steps, lowering it until it holds.
+
+    Two micro-steps stand for any number in autotune's loop, not in a framework's that holds the
+    window's micro-batches at once: the plan's micro-batch count is searched again in its loop
+    (one trial when the answer holds, since more micro-steps never need less), and a lower answer
+    plans again, with as many or more micro-steps."""
+    for _ in range(8):  # each round adds micro-steps, so it ends; more rounds than this is a bug
+        made = result.plan
+        if made is None or made.accumulation_steps <= ACCUMULATING_MICRO_STEPS:
+            return result
+        loop = result.loop.model_copy(update={"micro_steps": made.accumulation_steps})
+        if any(a.loop == loop for a in result.answers):
+            return result
+        trial = trial_in(loop)
+        outcome = search_from_guess(
+            trial,
+            made.max_micro_batch,
+            cap=made.max_micro_batch,
+            granularity=request.granularity,
+            limit_bytes=result.limit_bytes,
+        )
+        answer = LoopAnswer(loop=loop, max_micro_batch=outcome.max_micro_batch, capped=result.capped)
+        result = result.model_copy(
+            update={
+                "max_micro_batch": answer.max_micro_batch,
+                "loop": loop,
+                "answers": [*result.answers, answer],
+                "trials": [*result.trials, *outcome.trials],
+            }
+        )
+        result = with_plan(result, request)
+    raise AssertionError("the plan did not settle in its own loop")
+
+
+def probe_workload(
+    workload: Workload,
+    *,
+    on_trial: TrialCallback | None = None,
+    train: Callable[[TrialRunner], TrainLoop] | None = None,
+    **fields: object,
+) -> ProbeResult:
+    """Probe a Workload object in this process; `fields` are ProbeRequest's (memory="6GiB",
+    effective_batch=256, world_size=...). Its trials restore the model; it is not confirmed in a
+    fresh process, which cannot re-create the objects."""
+    from autotune.results import Confirmation
+
+    fields.setdefault("target", f"live:{workload.name}")
+    request = ProbeRequest.model_validate(fields)
+    # Frameworks collect garbage between runs (Accelerate's free_memory: ~0.2 s a call with
+    # transformers imported, several per trial). Objects older than the probe cannot be a trial's
+    # garbage, so freezing them leaves each collection the trials' objects alone.
+    gc.freeze()
+    try:
+        result = run_probe(request, on_trial, workload=workload, train=train)
+    finally:
+        gc.unfreeze()
+    note = (
+        "not confirmed in a fresh process: live objects are probed in this one (every trial restored the "
+        "model); on a GPU, run `autotune probe module:workload` for that confirmation"
+    )
+    confirmation = Confirmation(status="skipped", passed=False, steps=request.confirm_steps, note=note)
+    return result.model_copy(update={"confirmation": confirmation})
 
 
 def with_plan(result: ProbeResult, request: ProbeRequest) -> ProbeResult:

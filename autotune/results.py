@@ -101,6 +101,10 @@ class WorkloadRef(BaseModel):
     precision: Literal["fp32", "bf16", "fp16"]
     optimizer: str
     steps: int
+    input_spec: dict[str, str | int | float | bool] = Field(
+        default_factory=dict,
+        description="What the batch was made of: sizes, or the worst-case samples of the job's data and their shapes.",
+    )
 
 
 class Versions(BaseModel):

@@ -15,6 +15,9 @@ step, as in the job; the second step is the steady state. After every trial, fit
 runner restores the parameters and buffers from a host copy and drops the gradients, so trials are
 independent.
 
+A framework's own loop can replace this one (`train=`: the Trainer's `train()`, Lightning's
+training step): the runner still counts, classifies OOMs and undoes each trial the same way.
+
 Recovery from an OOM happens after the `except` block: inside it the traceback still holds the
 failed step's tensors.
 """
@@ -59,6 +62,10 @@ class ProbeDevice(Protocol):
 
 _AUTOCAST = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 
+# A training loop at (micro-batch, loop shape), run inside the device's counting; returns the
+# seconds per micro-step of its last optimizer step.
+TrainLoop = Callable[[int, LoopShape], float]
+
 
 class TrialRunner:
     """Builds the model once on the device and runs independent trials on it."""
@@ -73,12 +80,14 @@ class TrialRunner:
         *,
         micro_steps: int = 1,
         prefetch: int = 0,
+        train: Callable[[TrialRunner], TrainLoop] | None = None,
     ) -> None:
         """`steps` optimizer steps of `micro_steps` accumulated micro-batches each, with `prefetch`
         further batches held on the device (the default loop; `run` takes others).
 
         `model`: an already built model to use as is (the estimator's fake-tensor model, which
-        `.to()` cannot move); by default the workload builds one on the device."""
+        `.to()` cannot move); by default the workload builds one on the device.
+        `train`: makes the job's own loop over this runner's model, run instead of the workload's step."""
         self.loop = LoopShape(micro_steps=micro_steps, steps=steps, prefetch=prefetch)
         self.workload = workload
         self.device = device
@@ -94,6 +103,7 @@ class TrialRunner:
         self._snapshot = [t.detach().to("cpu", copy=True) for t in self._state]
         self.baseline_bytes = device.live_bytes()
         self.last_leak_bytes = 0
+        self._train_loop: TrainLoop = self._train if train is None else train(self)
 
     @property
     def steps(self) -> int:
@@ -115,7 +125,8 @@ class TrialRunner:
         failure: str | None = None
         not_oom: str | None = None
         try:
-            step_seconds = self._train(batch, loop)
+            with self.device.active():
+                step_seconds = self._train_loop(batch, loop)
         except Exception as exc:  # noqa: BLE001 - classified right here; non-OOMs stop the probe
             reason = oom.classify(exc)
             if reason is not None and reason.kind is oom.OOMKind.OOM:
@@ -157,33 +168,36 @@ class TrialRunner:
         dtype = _AUTOCAST.get(workload.precision)
         device_type = device.torch_device.type
         step_seconds = 0.0
-        with device.active():
-            optimizer = workload.make_optimizer(model.parameters())
-            scaler = torch.amp.GradScaler(device_type, enabled=workload.precision is Precision.FP16)
-            # held[0] is the micro-batch being trained on; the rest are the loader's prefetched ones.
-            held: deque[object] = deque(workload.make_batch(batch, device.torch_device) for _ in range(loop.prefetch))
-            for step in range(loop.steps):
-                started = time.perf_counter()
-                for _micro in range(loop.micro_steps):
-                    if not loop.prefetch:
-                        held.clear()
-                    held.append(workload.make_batch(batch, device.torch_device))
-                    if len(held) > loop.prefetch + 1:
-                        held.popleft()
-                    with torch.autocast(device_type, dtype=dtype or torch.float32, enabled=dtype is not None):
-                        loss = workload.loss(model, held[0])
-                    if loop.micro_steps > 1:
-                        loss = loss / loop.micro_steps
-                    scaler.scale(loss).backward()
-                    del loss
-                scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-                device.synchronize()
-                step_seconds = (time.perf_counter() - started) / loop.micro_steps
-                if self._on_step is not None:
-                    self._on_step(batch, step)
+        optimizer = workload.make_optimizer(model.parameters())
+        scaler = torch.amp.GradScaler(device_type, enabled=workload.precision is Precision.FP16)
+        # held[0] is the micro-batch being trained on; the rest are the loader's prefetched ones.
+        held: deque[object] = deque(workload.make_batch(batch, device.torch_device) for _ in range(loop.prefetch))
+        for step in range(loop.steps):
+            started = time.perf_counter()
+            for _micro in range(loop.micro_steps):
+                if not loop.prefetch:
+                    held.clear()
+                held.append(workload.make_batch(batch, device.torch_device))
+                if len(held) > loop.prefetch + 1:
+                    held.popleft()
+                with torch.autocast(device_type, dtype=dtype or torch.float32, enabled=dtype is not None):
+                    loss = workload.loss(model, held[0])
+                if loop.micro_steps > 1:
+                    loss = loss / loop.micro_steps
+                scaler.scale(loss).backward()
+                del loss
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            device.synchronize()
+            step_seconds = (time.perf_counter() - started) / loop.micro_steps
+            self.stepped(batch, step)
         return step_seconds
+
+    def stepped(self, batch: int, step: int) -> None:
+        """Tell the caller's `on_step` that an optimizer step of a trial at `batch` ran (loops call it)."""
+        if self._on_step is not None:
+            self._on_step(batch, step)
 
     # Undoing a trial -----------------------------------------------------------------------
     def recover(self) -> None:

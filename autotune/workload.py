@@ -14,6 +14,12 @@ Users define one in Python and point the CLI at it as `module:attribute`:
     )
 
 The attribute may also be a function that takes keyword options and returns a Workload.
+
+A job's live objects make one too, with no module to import (`Workload.from_model`): its model, its
+optimizer (a class, a factory or an instance), its data (one batch, a Dataset with its collate
+function, or a DataLoader: the worst-case samples are found and collated) and its loss. Such a
+workload is probed in the calling process (`run_probe(request, workload=...)`): a fresh process
+cannot re-create live objects.
 """
 
 from __future__ import annotations
@@ -33,6 +39,10 @@ from torch import nn
 from autotune.errors import WorkloadError
 
 OptionValue = str | int | float | bool
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+# A name from OPTIMIZERS, an Optimizer class (built with `optimizer_kwargs`), or a factory of the
+# parameters (what `from_model` makes of an optimizer instance).
+OptimizerSpec = str | type[torch.optim.Optimizer] | OptimizerFactory
 
 
 class Precision(StrEnum):
@@ -56,7 +66,7 @@ class Workload:
     make_batch: Callable[[int, torch.device], Any]
     loss: Callable[[nn.Module, Any], torch.Tensor]
     name: str = "custom"
-    optimizer: str = "adamw"
+    optimizer: OptimizerSpec = "adamw"
     optimizer_kwargs: Mapping[str, Any] = field(default_factory=dict)
     precision: Precision = Precision.FP32
     # Shapes and sizes that the batch depends on (sequence length, image size...): part of the
@@ -64,29 +74,82 @@ class Workload:
     input_spec: Mapping[str, OptionValue] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.optimizer.lower() not in OPTIMIZERS:
-            raise WorkloadError(f"unknown optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
-        object.__setattr__(self, "optimizer", self.optimizer.lower())
+        if isinstance(self.optimizer, str):
+            if self.optimizer.lower() not in OPTIMIZERS:
+                raise WorkloadError(f"unknown optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+            object.__setattr__(self, "optimizer", self.optimizer.lower())
+        elif not callable(self.optimizer):
+            raise WorkloadError(
+                f"optimizer {self.optimizer!r} is neither a name ({', '.join(OPTIMIZERS)}), an Optimizer class "
+                "nor a function of the parameters returning an optimizer"
+            )
         try:
             object.__setattr__(self, "precision", Precision(self.precision))
         except ValueError:
             choices = ", ".join(p.value for p in Precision)
             raise WorkloadError(f"unknown precision {self.precision!r}: choose one of {choices}") from None
 
+    @property
+    def optimizer_name(self) -> str:
+        """The optimizer as results name it: its name, or its class's (`FusedAdam`, `Lion`...)."""
+        spec = self.optimizer
+        if isinstance(spec, str):
+            return spec
+        return str(getattr(spec, "optimizer_name", None) or getattr(spec, "__name__", type(spec).__name__))
+
     def with_overrides(self, *, precision: str | None = None, optimizer: str | None = None) -> Workload:
         changes: dict[str, Any] = {}
         if precision is not None:
             changes["precision"] = precision
-        if optimizer is not None and optimizer.lower() != self.optimizer:
+        if optimizer is not None and optimizer.lower() != self.optimizer_name:
             changes["optimizer"] = optimizer
             changes["optimizer_kwargs"] = {}
         return dataclasses.replace(self, **changes) if changes else self
 
     def make_optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        spec = self.optimizer
         kwargs = dict(self.optimizer_kwargs)
-        if self.optimizer == "sgd":
-            kwargs.setdefault("lr", 1e-3)
-        return OPTIMIZERS[self.optimizer](params, **kwargs)
+        if isinstance(spec, str):
+            if spec == "sgd":
+                kwargs.setdefault("lr", 1e-3)
+            return OPTIMIZERS[spec](params, **kwargs)
+        if isinstance(spec, type):
+            return spec(params, **kwargs)
+        made = spec(params)
+        if not isinstance(made, torch.optim.Optimizer):
+            raise WorkloadError(
+                f"the optimizer factory of {self.name!r} returned {type(made).__name__}, not an Optimizer"
+            )
+        return made
+
+    @classmethod
+    def from_model(
+        cls,
+        model: nn.Module,
+        *,
+        batch: Any,
+        optimizer: OptimizerSpec | torch.optim.Optimizer = "adamw",
+        loss: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+        collate: Callable[[list[Any]], Any] | None = None,
+        precision: Precision | str = Precision.FP32,
+        name: str | None = None,
+        optimizer_kwargs: Mapping[str, Any] | None = None,
+        scan_limit: int = 10_000,
+    ) -> Workload:
+        """A workload of a job's live objects, probed as they are (see `autotune.live`)."""
+        from autotune.live import workload_from_model
+
+        return workload_from_model(
+            model,
+            batch=batch,
+            optimizer=optimizer,
+            loss=loss,
+            collate=collate,
+            precision=precision,
+            name=name,
+            optimizer_kwargs=optimizer_kwargs,
+            scan_limit=scan_limit,
+        )
 
 
 def _import_attribute(target: str) -> Any:
