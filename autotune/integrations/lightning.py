@@ -1,0 +1,194 @@
+"""PyTorch Lightning: a callback that probes the LightningModule at fit start and sets its batch size
+and the trainer's gradient accumulation.
+
+    from autotune.integrations.lightning import AutotuneBatchSize
+    trainer = L.Trainer(callbacks=[AutotuneBatchSize(effective_batch=256)], ...)
+    trainer.fit(model, datamodule=data)
+
+Like Lightning's `BatchSizeFinder`, it acts in `on_fit_start`. Unlike it, it runs no trial inside the
+fit loop: it runs Lightning's automatic-optimization step itself, as the fit loop orders it, on the
+unwrapped module, so that under DDP one rank can probe while the others wait (rank 0 probes, every
+rank receives its values by broadcast). Per micro-step, as Lightning does it: `training_step` under
+the trainer's precision context, the loss divided by the accumulation steps and a detached copy of
+it kept until the step ends, `zero_grad` after the forward of a window's first micro-step (so the
+forward runs with the last window's gradients alive), backward (scaled for 16-mixed), and the
+optimizer step (the first optimizer of `configure_optimizers`) after the window's last micro-step.
+The batches are the worst-case samples of the train dataloader, collated by its collate function;
+`self.log` is silenced during the probe (its values are a few bytes each).
+
+It sets `batch_arg_name` (default `batch_size`) on the module, its hparams or the datamodule, as
+`lightning_setattr` finds it, and `trainer.accumulate_grad_batches`. Lightning's loaders run equal
+micro-batches, so plans use the `exact` policy. Manual optimization is the module's own loop: probe it
+with `Workload.from_model` instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
+
+from autotune import worstcase
+from autotune.errors import ConfigError
+from autotune.plan import Policy
+from autotune.probe import probe_workload
+from autotune.results import LoopShape, ProbeResult
+from autotune.trial import TrainLoop, TrialRunner
+from autotune.workload import Workload
+
+logger = logging.getLogger("autotune")
+
+_PRECISION = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
+
+
+def _loss(output: Any) -> torch.Tensor:
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError("training_step must return the loss, or a dict with 'loss', for autotune to probe it")
+    return loss
+
+
+def lightning_loop(
+    trainer: pl.Trainer, module: pl.LightningModule, make_batch: Callable[[int, torch.device], Any]
+) -> Callable[[TrialRunner], TrainLoop]:
+    """Lightning's automatic-optimization step, micro-step by micro-step, as a trial loop."""
+    precision = trainer.precision_plugin
+
+    def make(runner: TrialRunner) -> TrainLoop:
+        device = runner.device.torch_device
+
+        def train(batch: int, loop: LoopShape) -> float:
+            import time
+
+            optimizers, _schedulers = _init_optimizers_and_lr_schedulers(module)
+            optimizer = optimizers[0]
+            scaler = getattr(precision, "scaler", None)
+            data: Any = None
+            seconds = 0.0
+            for step in range(loop.steps):
+                started = time.perf_counter()
+                for micro in range(loop.micro_steps):
+                    data = None  # a sized loader prefetches nothing: the last batch is gone first
+                    data = make_batch(batch, device)
+                    with precision.train_step_context():
+                        loss = _loss(module.training_step(data, step * loop.micro_steps + micro))
+                    loss = loss / loop.micro_steps
+                    kept = loss.detach().clone()  # Lightning's ClosureResult keeps it until the step ends
+                    if micro == 0:
+                        optimizer.zero_grad()
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
+                    del loss
+                    if micro == loop.micro_steps - 1:
+                        if scaler is not None:
+                            scaler.step(optimizer)
+                            scaler.update()
+                        else:
+                            optimizer.step()
+                    del kept
+                seconds = (time.perf_counter() - started) / loop.micro_steps
+                runner.stepped(batch, step)
+            optimizer.zero_grad()
+            return seconds
+
+        return train
+
+    return make
+
+
+class AutotuneBatchSize(pl.Callback):
+    """Probe at fit start; set the module's batch size and the trainer's `accumulate_grad_batches`.
+
+    `effective_batch`: samples per optimizer step over all ranks (default: the largest micro-batch
+    that fits, no accumulation). `memory`/`headroom`: as the CLI's (without a GPU the probe runs on
+    the CPU budget device of `memory` bytes). The result is `self.result` on rank 0."""
+
+    def __init__(
+        self,
+        effective_batch: int | None = None,
+        *,
+        memory: int | str | None = None,
+        headroom: float | int | str | None = None,
+        batch_arg_name: str = "batch_size",
+        steps: int = 2,
+        scan_limit: int = 10_000,
+    ) -> None:
+        self.effective_batch = effective_batch
+        self.memory, self.headroom = memory, headroom
+        self.batch_arg_name = batch_arg_name
+        self.steps, self.scan_limit = steps, scan_limit
+        self.result: ProbeResult | None = None
+        self.values: tuple[int, int] | None = None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not lightning_hasattr(pl_module, self.batch_arg_name):
+            raise ConfigError(
+                f"AutotuneBatchSize: neither the module, its hparams nor the datamodule has {self.batch_arg_name!r}: "
+                "give batch_arg_name= the attribute your train_dataloader reads"
+            )
+        if not pl_module.automatic_optimization:
+            raise ConfigError(
+                "AutotuneBatchSize probes Lightning's automatic optimization; with manual optimization the loop is "
+                "yours: probe it with Workload.from_model"
+            )
+        values: tuple[int, int] | None = None
+        if trainer.global_rank == 0:
+            values = self._probe(trainer, pl_module)
+        # One rank probes; every rank must run the same micro-batches and accumulation.
+        values = trainer.strategy.broadcast(values, src=0)
+        assert values is not None
+        micro, accumulation = values
+        lightning_setattr(pl_module, self.batch_arg_name, micro)
+        trainer.accumulate_grad_batches = accumulation
+        self.values = values
+        # A loader built before this point has the old batch size: build it again.
+        trainer.fit_loop._combined_loader = None
+
+    def _probe(self, trainer: pl.Trainer, module: pl.LightningModule) -> tuple[int, int]:
+        loader = trainer.fit_loop._data_source.dataloader()
+        if not isinstance(loader, torch.utils.data.DataLoader):
+            raise ConfigError("AutotuneBatchSize needs one train DataLoader (not a collection of loaders)")
+        worst = worstcase.find_worst_case(loader, limit=self.scan_limit)
+        make_batch = worstcase.worst_case_maker(loader, worst=worst)
+        device = trainer.strategy.root_device
+
+        def configured(params: Any) -> torch.optim.Optimizer:
+            return _init_optimizers_and_lr_schedulers(module)[0][0]
+
+        # The optimizer's name in results: what configure_optimizers returns.
+        setattr(configured, "optimizer_name", type(configured(None)).__name__)  # noqa: B010
+        workload = Workload(
+            build_model=lambda: module,
+            make_batch=make_batch,
+            loss=lambda model, batch: _loss(module.training_step(batch, 0)),
+            name=f"lightning:{type(module).__name__}",
+            optimizer=configured,
+            precision=_PRECISION.get(str(trainer.precision), "fp32"),  # type: ignore[arg-type]
+            input_spec=worst.input_spec(),
+        )
+        module.log = module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        try:
+            result = probe_workload(
+                workload,
+                train=lightning_loop(trainer, module, make_batch),
+                device="cpu" if device.type == "cpu" else f"cuda:{device.index or 0}",
+                memory=self.memory,
+                headroom=self.headroom,
+                steps=self.steps,
+                effective_batch=self.effective_batch,
+                world_size=trainer.world_size,
+                policy=Policy.EXACT,
+                confirm=False,
+            )
+        finally:
+            del module.log, module.log_dict
+        self.result = result
+        if result.plan is None:
+            return result.max_micro_batch_without_accumulation or result.max_micro_batch, 1
+        for warning in result.plan.warnings:
+            logger.warning("autotune: %s", warning)
+        return result.plan.micro_batch, result.plan.accumulation_steps
