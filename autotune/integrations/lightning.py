@@ -170,7 +170,10 @@ class AutotuneBatchSize(pl.Callback):
             precision=_PRECISION.get(str(trainer.precision), "fp32"),  # type: ignore[arg-type]
             input_spec=worst.input_spec(),
         )
-        module.log = module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        def silent(*args: Any, **kwargs: Any) -> None:
+            """self.log outside Lightning's loop has no result collection to write to."""
+
+        module.log = module.log_dict = silent  # type: ignore[method-assign]
         try:
             result = probe_workload(
                 workload,
