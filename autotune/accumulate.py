@@ -31,13 +31,14 @@ The weight arithmetic is pure functions; nothing here imports torch at import ti
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from itertools import islice
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
-from autotune.errors import ConfigError
+from autotune.errors import ConfigError, DoubleScalingError
 from autotune.plan import Plan
 
 _log = logging.getLogger("autotune")
@@ -357,6 +358,28 @@ class GuardedWindow(Generic[B]):
             guard._shrink(self.number, self.batches, failure, len(steps))
 
 
+def accelerate_divides_by() -> int:
+    """What `accelerator.backward` divides every loss by: Accelerate's gradient_accumulation_steps
+    (1 when Accelerate is not in use). Read from its shared state, without importing it."""
+    state = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(state, "GradientState", None), "_shared_state", None)
+    if not shared:
+        return 1
+    return int(shared.get("plugin_kwargs", {}).get("num_steps", 1))
+
+
+def _refuse_double_scaling() -> None:
+    divides = accelerate_divides_by()
+    if divides > 1:
+        raise DoubleScalingError(
+            f"Accelerate divides every loss by gradient_accumulation_steps={divides} in accelerator.backward, and "
+            "autotune.accumulate's weights already make each window's gradient the mean over the window: together "
+            f"the gradient would be 1/{divides} of the true one. Use one of them: "
+            "Accelerator(gradient_accumulation_steps=1) with autotune.accumulate (exact for unequal and short "
+            "windows), or accelerator.accumulate alone with equal micro-batches"
+        )
+
+
 def accumulate_window(
     number: int,
     window: list[B],
@@ -367,6 +390,7 @@ def accumulate_window(
 ) -> Iterator[MicroStep[B]]:
     """The micro-steps of one window (what `accumulate` yields for it); `total`, when known, is
     the window's total (over ranks), which cutting the window into pieces does not change."""
+    _refuse_double_scaling()
     counter: Callable[[B], object] = count if count is not None else count_samples
     world_size = ranks.world_size if ranks is not None else 1
     counts = [_to_count(counter(batch)) for batch in window]

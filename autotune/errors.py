@@ -36,6 +36,10 @@ class WorkloadError(ConfigError):
     """A workload target that cannot be resolved, imported or built."""
 
 
+class DoubleScalingError(ConfigError):
+    """autotune.accumulate's loss weights combined with a framework that divides the loss again."""
+
+
 class PlanError(ConfigError):
     """No accumulation plan satisfies the request."""
 

@@ -170,6 +170,7 @@ class AutotuneBatchSize(pl.Callback):
             precision=_PRECISION.get(str(trainer.precision), "fp32"),  # type: ignore[arg-type]
             input_spec=worst.input_spec(),
         )
+
         def silent(*args: Any, **kwargs: Any) -> None:
             """self.log outside Lightning's loop has no result collection to write to."""
 
