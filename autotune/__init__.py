@@ -3,6 +3,7 @@
 Public API:
     Workload, Precision            define what a trial runs (autotune.workload)
     ProbeRequest, run_probe        probe in this process (autotune.probe)
+    probe_workload                 probe a Workload object (live objects: Workload.from_model) here
     run_isolated                   probe in a spawned child with a timeout (autotune.isolation)
     plan, Plan, Policy             accumulation plans (autotune.plan)
     probe_and_confirm              probe, then confirm in fresh processes (autotune.confirm)
@@ -11,7 +12,7 @@ Public API:
     ProbeResult, TrialRecord, LoopShape  what a probe reports (autotune.results)
 
 The names that need torch (Workload, Precision, ProbeRequest, run_probe, run_isolated,
-probe_and_confirm) are imported on first use, so `import autotune` stays light.
+probe_and_confirm, probe_workload) are imported on first use, so `import autotune` stays light.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ _LAZY = {
     "run_probe": "autotune.probe",
     "run_isolated": "autotune.isolation",
     "probe_and_confirm": "autotune.confirm",
+    "probe_workload": "autotune.probe",
 }
 
 
@@ -58,6 +60,7 @@ __all__ = [
     "accumulate",
     "plan",
     "probe_and_confirm",
+    "probe_workload",
     "run_isolated",
     "run_probe",
 ]

@@ -118,7 +118,14 @@ def plan(
     if policy is Policy.FEWEST_STEPS:
         base, extra = divmod(per_rank, fewest)
         sizes = [base + 1] * extra + [base] * (fewest - extra)
-        return _build(policy, effective_batch, world_size, max_micro_batch, sizes, [])
+        warnings = []
+        if extra and fewest > 1:
+            warnings.append(
+                f"micro-batches of {base + 1} and {base} samples: a mean loss per micro-batch divided by the "
+                f"{fewest} steps weighs their samples unequally; multiply each micro-step's mean loss by "
+                "step.scale (autotune.accumulate) or the plan's loss_weights"
+            )
+        return _build(policy, effective_batch, world_size, max_micro_batch, sizes, warnings)
 
     steps = next(a for a in range(fewest, per_rank + 1) if per_rank % a == 0)
     micro = per_rank // steps

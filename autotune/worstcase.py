@@ -144,7 +144,11 @@ def worst_case_maker(
     if not worst.indices:
         raise WorkloadError("the worst case names no samples: there is nothing to build a batch from")
     # Read once: the probe builds many batches, and reading can be slow (decoding, augmenting).
-    samples = list(worst._samples) or _fetch(dataset, worst.indices)
+    # Copied: a sample of a TensorDataset is a view of the whole data set, which the budget device
+    # would count whole the first time a batch reads it (on a GPU the data set is the host's).
+    samples = [
+        _map_tensors(sample, torch.Tensor.clone) for sample in list(worst._samples) or _fetch(dataset, worst.indices)
+    ]
     indices = worst.indices
 
     def make_batch(size: int, device: torch.device) -> Any:
@@ -293,6 +297,8 @@ def _collate_one(collate: Collate, sample: Any, index: int) -> Any:
 def _collate_many(collate: Collate, samples: list[Any], indices: Iterable[int]) -> Any:
     try:
         return collate(samples)
+    except torch.OutOfMemoryError:
+        raise  # a batch too large for the device is what a trial finds out, not a data error
     except Exception as exc:  # user code: whatever it raises is the job's, reported as a workload error
         which = ", ".join(str(i) for i in indices)
         raise WorkloadError(

@@ -76,3 +76,10 @@ def test_plan_errors_say_what_to_do(args: tuple[int, int, int], message: str) ->
 def test_unknown_policy() -> None:
     with pytest.raises(PlanError, match="choose one of fewest-steps, exact"):
         plan(10, 5, policy="fastest")
+
+
+def test_unequal_micro_batches_warn_that_a_mean_loss_needs_its_weight() -> None:
+    made = plan(64, 13)
+    assert made.micro_batches == [13, 13, 13, 13, 12]
+    assert any("step.scale" in w and "13 and 12" in w for w in made.warnings)
+    assert plan(64, 16).warnings == []  # equal micro-batches: a mean divided by the steps is right
