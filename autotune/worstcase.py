@@ -168,13 +168,14 @@ def repeat_batch(batch: Any, size: int) -> Any:
     n = count_samples(batch)
     if n < 1:
         raise WorkloadError("the given batch has no rows to repeat")
-    rows = torch.arange(size) % n
 
     def take(tensor: torch.Tensor) -> torch.Tensor:
         if tensor.dim() == 0 or tensor.shape[0] != n:
             return tensor
+        # On the tensor's own device, also inside `with torch.device("meta")` (the fingerprint's).
+        rows = torch.arange(size, device=tensor.device) % n
         # A copy, not an expanded view: the probe must pay for the rows the job's batch would hold.
-        return tensor.index_select(0, rows.to(tensor.device))
+        return tensor.index_select(0, rows)
 
     return _map_tensors(batch, take)
 
@@ -193,6 +194,7 @@ class _Tally:
         self.totals: dict[int, int] = {}
         self.by_path: dict[str, tuple[int, int]] = {}  # path -> (bytes, index)
         self.overall: tuple[int, int] | None = None
+        self.overall_sizes: dict[str, int] = {}
 
     def add(self, index: int, sizes: dict[str, int]) -> None:
         self.scanned += 1
@@ -204,6 +206,7 @@ class _Tally:
                 self.by_path[path] = (nbytes, index)
         if self.overall is None or _beats(total, index, *self.overall):
             self.overall = (total, index)
+            self.overall_sizes = sizes
 
     def leaders(self) -> set[int]:
         found = {index for _, index in self.by_path.values()}
@@ -212,7 +215,13 @@ class _Tally:
         return found
 
     def worst(self) -> list[int]:
-        return sorted(self.leaders(), key=lambda i: (-self.totals[i], i))
+        """The largest sample, and each field's leader that is larger in its field than that one
+        (a field as large in every sample, labels of one token say, adds no sample)."""
+        if self.overall is None:
+            return []
+        found = {self.overall[1]}
+        found |= {i for path, (nbytes, i) in self.by_path.items() if nbytes > self.overall_sizes.get(path, 0)}
+        return sorted(found, key=lambda i: (-self.totals[i], i))
 
 
 def _beats(nbytes: int, index: int, best_bytes: int, best_index: int) -> bool:
