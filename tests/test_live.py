@@ -133,5 +133,5 @@ def test_the_default_loss_is_the_models_own() -> None:
 
 
 def test_a_model_that_is_not_a_module_is_refused() -> None:
-    with pytest.raises(WorkloadError, match="model must be a torch.nn.Module"):
+    with pytest.raises(WorkloadError, match=r"model must be a torch\.nn\.Module"):
         Workload.from_model(object(), batch=ONE_BATCH)  # type: ignore[arg-type]
