@@ -128,3 +128,15 @@ def test_tuned_values_run_the_trainer_and_one_more_sample_runs_out(tuned: tuple[
     worst = make_trainer(tmp_path, examples(64, all_longest=True))
     assert train_under_limit(worst, result.max_micro_batch, plan.accumulation_steps, max_steps=3)
     assert not train_under_limit(worst, result.max_micro_batch + 1, plan.accumulation_steps, max_steps=3)
+
+
+def test_activation_checkpointing_set_in_the_arguments_is_probed(tmp_path: Any) -> None:
+    """The trials are the Trainer's train(), which turns checkpointing on: activations are not all
+    kept for backward, so more samples fit."""
+    answers = []
+    for checkpointing in (False, True):
+        trainer = make_trainer(tmp_path / str(checkpointing), examples(16), activation_checkpointing=checkpointing)
+        tune_trainer(trainer, memory=MEMORY, headroom=0)
+        answers.append(trainer.args.per_device_train_batch_size)
+        assert trainer.args.gradient_accumulation_steps == 1
+    assert answers[1] > answers[0], answers
