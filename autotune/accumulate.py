@@ -376,7 +376,8 @@ def _refuse_double_scaling() -> None:
             "autotune.accumulate's weights already make each window's gradient the mean over the window: together "
             f"the gradient would be 1/{divides} of the true one. Use one of them: "
             "Accelerator(gradient_accumulation_steps=1) with autotune.accumulate (exact for unequal and short "
-            "windows), or accelerator.accumulate alone with equal micro-batches"
+            "windows), or accelerator.accumulate alone with equal micro-batches (the setting outlives the "
+            "Accelerator object: set accelerator.gradient_accumulation_steps = 1 to use autotune.accumulate)"
         )
 
 

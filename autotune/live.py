@@ -65,6 +65,9 @@ class OptimizerCopy:
 
 
 def optimizer_spec(optimizer: OptimizerSpec | torch.optim.Optimizer, model: nn.Module) -> OptimizerSpec:
+    # Accelerate's and Lightning's wrappers hold the job's optimizer as `.optimizer`.
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer  # type: ignore[union-attr]
     if isinstance(optimizer, torch.optim.Optimizer):
         return OptimizerCopy(optimizer, model)
     return optimizer
@@ -72,12 +75,18 @@ def optimizer_spec(optimizer: OptimizerSpec | torch.optim.Optimizer, model: nn.M
 
 def model_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     """The model's own loss, as the Hugging Face Trainer takes it: `model(**batch)` and its `loss`."""
-    if isinstance(batch, Mapping):
-        output = model(**batch)
-    elif isinstance(batch, (list, tuple)):
-        output = model(*batch)
-    else:
-        output = model(batch)
+    try:
+        if isinstance(batch, Mapping):
+            output = model(**batch)
+        elif isinstance(batch, (list, tuple)):
+            output = model(*batch)
+        else:
+            output = model(batch)
+    except TypeError as exc:
+        raise WorkloadError(
+            f"calling the model with the batch failed ({exc}): the default loss calls model(**batch) for a dict, "
+            "model(*batch) for a list or tuple; pass loss=lambda model, batch: ... returning the training loss"
+        ) from exc
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, Mapping):
         loss = output.get("loss")

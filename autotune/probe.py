@@ -360,11 +360,22 @@ def probe_workload(
     # Frameworks collect garbage between runs (Accelerate's free_memory: ~0.2 s a call with
     # transformers imported, several per trial). Objects older than the probe cannot be a trial's
     # garbage, so freezing them leaves each collection the trials' objects alone.
-    gc.freeze()
+    # (Not when the application froze its own objects: unfreeze() would thaw them too.)
+    freeze = gc.get_freeze_count() == 0
+    # The job gets its model back as it had it: trials train it on the probing device.
+    model = workload.build_model()
+    training = model.training
+    where = next((p.device for p in model.parameters()), None)
+    if freeze:
+        gc.freeze()
     try:
         result = run_probe(request, on_trial, workload=workload, train=train)
     finally:
-        gc.unfreeze()
+        if freeze:
+            gc.unfreeze()
+        model.train(training)
+        if where is not None and next(model.parameters()).device != where:
+            model.to(where)
     note = (
         "not confirmed in a fresh process: live objects are probed in this one (every trial restored the "
         "model); on a GPU, run `autotune probe module:workload` for that confirmation"

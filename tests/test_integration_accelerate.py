@@ -132,3 +132,15 @@ def test_one_accelerator_step_and_autotune_accumulate_make_a_ragged_window_exact
     mse(whole, (torch.stack(x), torch.stack(y))).backward()
     for got, want in zip(gradients[0], whole.parameters(), strict=True):
         torch.testing.assert_close(got, want.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_fewest_steps_leaves_the_accelerator_at_one_step_for_autotune_accumulate() -> None:
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = mlp()
+    result = tune_accelerator(
+        accelerator, model, torch.optim.SGD(model.parameters(), lr=0.1), Rows(), effective_batch=EFFECTIVE_BATCH,
+        loss=mse, memory=MEMORY, headroom=0, policy="fewest-steps",
+    )  # fmt: skip
+    assert result.plan is not None and result.plan.accumulation_steps > 1
+    assert accelerator.gradient_accumulation_steps == 1
+    next(accumulate([torch.ones(2, 1)] * 2, result.plan))  # no double scaling to refuse

@@ -140,3 +140,16 @@ def test_activation_checkpointing_set_in_the_arguments_is_probed(tmp_path: Any) 
         answers.append(trainer.args.per_device_train_batch_size)
         assert trainer.args.gradient_accumulation_steps == 1
     assert answers[1] > answers[0], answers
+
+
+def test_an_optimizer_and_scheduler_given_to_the_trainer_are_never_stepped(tmp_path: Any) -> None:
+    trainer = make_trainer(tmp_path, examples(16))
+    optimizer = torch.optim.AdamW(trainer.model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))
+    trainer.optimizer, trainer.lr_scheduler = optimizer, scheduler
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    result = tune_trainer(trainer, memory=MEMORY, headroom=0)
+    assert result.workload.optimizer == "AdamW"
+    assert optimizer.state == {} and scheduler.last_epoch == 0 and optimizer.param_groups[0]["lr"] == 1e-3
+    assert trainer.optimizer is optimizer and trainer.lr_scheduler is scheduler
+    assert all(torch.equal(p, b) for p, b in zip(trainer.model.parameters(), before, strict=True))

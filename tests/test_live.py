@@ -135,3 +135,31 @@ def test_the_default_loss_is_the_models_own() -> None:
 def test_a_model_that_is_not_a_module_is_refused() -> None:
     with pytest.raises(WorkloadError, match=r"model must be a torch\.nn\.Module"):
         Workload.from_model(object(), batch=ONE_BATCH)  # type: ignore[arg-type]
+
+
+def test_the_model_comes_back_in_its_mode_and_the_applications_gc_freeze_stays() -> None:
+    import gc
+
+    model = mlp().eval()
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        probe_workload(Workload.from_model(model, batch=ONE_BATCH, loss=loss_fn), memory=MEMORY, headroom=0)
+        assert gc.get_freeze_count() == frozen  # the probe did not thaw what the application froze
+    finally:
+        gc.unfreeze()
+    assert not model.training
+
+
+def test_a_batch_the_model_does_not_take_says_to_pass_loss() -> None:
+    with pytest.raises(NotAnOOMError, match="pass loss=lambda model, batch"):
+        probe_workload(Workload.from_model(mlp(), batch={"x": torch.randn(4, 32)}), memory=MEMORY)
+
+
+def test_a_wrapped_optimizer_is_copied_from_the_one_it_wraps() -> None:
+    model = mlp()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    wrapper = SimpleNamespace(optimizer=inner)  # Accelerate's and Lightning's wrappers hold it so
+    workload = Workload.from_model(model, optimizer=wrapper, batch=ONE_BATCH, loss=loss_fn)  # type: ignore[arg-type]
+    copy = workload.make_optimizer(model.parameters())
+    assert type(copy) is torch.optim.SGD and copy.param_groups[0]["momentum"] == 0.9

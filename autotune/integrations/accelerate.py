@@ -29,8 +29,9 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
+from autotune.errors import ConfigError
 from autotune.live import model_loss
-from autotune.plan import Policy
+from autotune.plan import Policy, parse_policy
 from autotune.probe import probe_workload
 from autotune.results import LoopShape, ProbeResult
 from autotune.trial import TrainLoop, TrialRunner
@@ -89,13 +90,23 @@ def tune_accelerator(
     headroom: float | int | str | None = None,
     steps: int = 2,
     scan_limit: int = 10_000,
+    policy: Policy | str = Policy.EXACT,
 ) -> ProbeResult:
     """Probe the job in Accelerate's loop and set `accelerator.gradient_accumulation_steps` from the
     plan for `effective_batch` (over all processes). Call it before `accelerator.prepare(model, ...)`:
     `data` is a Dataset (with `collate`), a DataLoader or one batch; `optimizer` an instance (not
     stepped: a fresh copy of its class and settings is), a class or a factory; `loss(model, batch)`
     defaults to the model's own `.loss`. Returns the result; build the loader with
-    `result.plan.micro_batch`."""
+    `result.plan.micro_batch`.
+
+    `policy="fewest-steps"`: unequal micro-batches, which Accelerate's accumulation cannot run; the
+    Accelerator is left at one step, for `autotune.accumulate` with a `PlanBatchSampler`."""
+    policy = parse_policy(policy)
+    if accelerator.num_processes > 1:
+        raise ConfigError(
+            f"tune_accelerator runs in one process, and this Accelerator has {accelerator.num_processes}: every "
+            "process would probe alone and could differ; tune in a single process, then launch with the values"
+        )
     unwrapped = accelerator.unwrap_model(model)
     workload = Workload.from_model(
         unwrapped,
@@ -119,8 +130,9 @@ def tune_accelerator(
         steps=steps,
         effective_batch=effective_batch,
         world_size=accelerator.num_processes,
-        policy=Policy.EXACT,
+        policy=policy,
         confirm=False,
     )
-    accelerator.gradient_accumulation_steps = result.plan.accumulation_steps if result.plan is not None else 1
+    accumulates = result.plan is not None and policy is Policy.EXACT
+    accelerator.gradient_accumulation_steps = result.plan.accumulation_steps if accumulates else 1  # type: ignore[union-attr]
     return result

@@ -34,7 +34,7 @@ from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
 
 from autotune import worstcase
-from autotune.errors import ConfigError
+from autotune.errors import ConfigError, ProbeError
 from autotune.plan import Policy
 from autotune.probe import probe_workload
 from autotune.results import LoopShape, ProbeResult
@@ -67,7 +67,9 @@ def lightning_loop(
 
             optimizers, _schedulers = _init_optimizers_and_lr_schedulers(module)
             optimizer = optimizers[0]
-            scaler = getattr(precision, "scaler", None)
+            # A fresh scaler: the job's must not learn its scale from the probe (under DDP, rank 0's
+            # would then differ from the others').
+            scaler = None if getattr(precision, "scaler", None) is None else torch.amp.GradScaler(device.type)
             data: Any = None
             seconds = 0.0
             for step in range(loop.steps):
@@ -135,12 +137,20 @@ class AutotuneBatchSize(pl.Callback):
                 "AutotuneBatchSize probes Lightning's automatic optimization; with manual optimization the loop is "
                 "yours: probe it with Workload.from_model"
             )
-        values: tuple[int, int] | None = None
+        values: tuple[int, int] | str | None = None
+        failure: Exception | None = None
         if trainer.global_rank == 0:
-            values = self._probe(trainer, pl_module)
-        # One rank probes; every rank must run the same micro-batches and accumulation.
+            try:
+                values = self._probe(trainer, pl_module)
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks hear of it
+                failure, values = exc, f"{type(exc).__name__}: {exc}"
+        # One rank probes; every rank must run the same micro-batches and accumulation, and every
+        # rank must stop when the probe failed rather than wait in a collective.
         values = trainer.strategy.broadcast(values, src=0)
-        assert values is not None
+        if failure is not None:
+            raise failure
+        if not isinstance(values, tuple):
+            raise ProbeError(f"AutotuneBatchSize: the probe on rank 0 failed: {values}")
         micro, accumulation = values
         lightning_setattr(pl_module, self.batch_arg_name, micro)
         trainer.accumulate_grad_batches = accumulation

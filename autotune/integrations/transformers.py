@@ -32,6 +32,7 @@ from transformers.trainer_utils import IntervalStrategy, SaveStrategy
 
 from autotune import worstcase
 from autotune.errors import ConfigError
+from autotune.live import OptimizerCopy
 from autotune.plan import Policy
 from autotune.probe import probe_workload
 from autotune.results import LoopShape, ProbeResult, TrialRecord
@@ -81,13 +82,13 @@ def _device(trainer: Trainer) -> str:
 
 def trainer_loop(trainer: Trainer, dataset: Any, indices: tuple[int, ...]) -> Callable[[TrialRunner], TrainLoop]:
     """The Trainer's own `train()` as a trial loop over the worst-case examples."""
+    given = None if trainer.optimizer is None else OptimizerCopy(trainer.optimizer, trainer.model)  # type: ignore[arg-type]
 
     def make(runner: TrialRunner) -> TrainLoop:
         def train(batch: int, loop: LoopShape) -> float:
             saved = dict(vars(trainer))
             handler = trainer.callback_handler
             saved_handler = dict(vars(handler))
-            given = trainer.optimizer
             args = copy.copy(trainer.args)
             args.per_device_train_batch_size = batch
             args.gradient_accumulation_steps = loop.micro_steps
@@ -102,16 +103,16 @@ def trainer_loop(trainer: Trainer, dataset: Any, indices: tuple[int, ...]) -> Ca
                 per_step = args.train_batch_size * loop.micro_steps * args.world_size
                 trainer.train_dataset = _Repeated(dataset, indices, per_step * loop.steps)
                 handler.callbacks = [DefaultFlowCallback()]
-                if given is None:
-                    trainer.optimizer = trainer.lr_scheduler = None
+                # A given optimizer and scheduler must not be stepped: each trial gets a fresh copy
+                # of the optimizer, and the Trainer's own scheduler (no memory to speak of).
+                trainer.optimizer = None if given is None else given(runner.model.parameters())
+                trainer.lr_scheduler = None
                 output = trainer.train()
                 seconds = float(output.metrics.get("train_runtime", 0.0)) / (loop.steps * loop.micro_steps)
             finally:
                 # The accelerator keeps the trial's prepared optimizer (and its state) until the
                 # next train(); the job's own train() must start from nothing of the probe's.
                 trainer.accelerator.free_memory()
-                if given is not None:
-                    given.state.clear()
                 vars(trainer).clear()
                 vars(trainer).update(saved)
                 vars(handler).clear()
@@ -144,10 +145,21 @@ def tune_trainer(
     model = trainer.model
     if not isinstance(model, torch.nn.Module):
         raise ConfigError("tune_trainer: the Trainer has no model (a model_init is not probed): pass model=")
+    if trainer.args.world_size > 1:
+        raise ConfigError(
+            f"tune_trainer runs in one process, and this Trainer has world size {trainer.args.world_size}: "
+            "every rank would probe alone and could differ; tune in a single process with the same per-device "
+            "setup, then pass the values to the distributed run"
+        )
     loader = trainer.get_train_dataloader()
     # The loader's collate function is the Trainer's: its collator, after dropping the columns the
     # model does not take.
     dataset, collate = loader.dataset, loader.collate_fn
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__"):
+        raise ConfigError(
+            "tune_trainer needs a train_dataset it can index (a map-style Dataset): the probe feeds the Trainer "
+            "its worst-case examples again and again"
+        )
     worst = worstcase.find_worst_case(dataset, collate, limit=scan_limit)
     workload = Workload(
         build_model=lambda: model,
