@@ -45,7 +45,8 @@ def parse_size(text: str | int) -> int:
 
 
 def parse_headroom(text: str | float) -> float | int:
-    """Headroom is a fraction of the budget (0 <= f < 1, e.g. 0.05 or 5%) or a size ("2GiB").
+    """Headroom is a fraction of the budget (0 <= f < 1, e.g. 0.05 or 5%) or a size with its unit
+    ("2GiB", "512B"); a bare number of 1 or more is refused, since "5" is more likely 5% than 5 bytes.
 
     Returns a float for a fraction and an int of bytes for a size."""
     if isinstance(text, float):
@@ -63,7 +64,12 @@ def parse_headroom(text: str | float) -> float | int:
             except ValueError:
                 return parse_size(stripped)
             if fraction >= 1 and math.isfinite(fraction):
-                return int(fraction)  # a bare number >= 1 is a byte count
+                # "5" meant as 5% would silently be 5 bytes of headroom: a size needs its unit.
+                shown = f"{fraction:g}"
+                raise ConfigError(
+                    f"headroom {stripped!r} has no unit: did you mean {shown}%? A fraction is below 1 "
+                    f"(0.05 or 5%); a size needs its unit ({shown}B, {shown}MiB, {shown}GiB)"
+                )
     if not 0 <= fraction < 1:
         raise ConfigError(f"headroom fraction must be in [0, 1), got {fraction}: write 0.05, 5% or a size like 2GiB")
     return fraction

@@ -73,6 +73,7 @@ def test_plan_command_json() -> None:
         (["probe", "gpt", "--memory", "12XB"], "cannot parse size '12XB'"),
         (["probe", "gpt", "--effective-batch", "0"], "effective_batch"),
         (["probe", "gpt", "--headroom", "150%"], "headroom fraction must be in [0, 1)"),
+        (["probe", "gpt", "--headroom", "5"], "headroom '5' has no unit: did you mean 5%?"),
         (["probe", "gpt", "--device", "tpu"], "unknown device 'tpu'"),
         (["probe", "gpt", "--policy", "fastest"], "unknown policy 'fastest'"),
         (["probe", "gpt", "--precision", "fp8"], "--precision 'fp8' is not one of"),

@@ -29,7 +29,7 @@ def test_parse_size_rejects_with_a_hint(text: str) -> None:
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("0.05", 0.05), ("5%", 0.05), ("0", 0.0), ("2GiB", 2 * 2**30), ("1048576", 1048576)],
+    [("0.05", 0.05), ("5%", 0.05), ("0", 0.0), ("2GiB", 2 * 2**30), ("1048576B", 1048576)],
 )
 def test_parse_headroom(text: str, expected: float | int) -> None:
     assert parse_headroom(text) == pytest.approx(expected)
@@ -38,6 +38,12 @@ def test_parse_headroom(text: str, expected: float | int) -> None:
 @pytest.mark.parametrize("text", ["150%", "-0.1", "lots"])
 def test_parse_headroom_rejects(text: str) -> None:
     with pytest.raises(ConfigError):
+        parse_headroom(text)
+
+
+@pytest.mark.parametrize(("text", "meant"), [("5", "5%"), ("1", "1%"), ("1.0", "1%"), ("1.5", "1.5%")])
+def test_a_bare_headroom_of_one_or_more_asks_whether_a_percentage_was_meant(text: str, meant: str) -> None:
+    with pytest.raises(ConfigError, match=f"did you mean {meant}"):
         parse_headroom(text)
 
 
