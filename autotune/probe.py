@@ -109,6 +109,11 @@ def parse_device(spec: str) -> tuple[str, int]:
     raise ConfigError(f"unknown device {spec!r}: use cuda, cuda:N or cpu")
 
 
+def device_spec(device: torch.device) -> str:
+    """The `device` field for a torch device a framework trains on (parse_device's inverse)."""
+    return "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}"
+
+
 def headroom_bytes(budget_bytes: int, headroom: float | int) -> int:
     if isinstance(headroom, float):
         return int(budget_bytes * headroom)

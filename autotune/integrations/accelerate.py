@@ -32,7 +32,7 @@ from torch import nn
 from autotune.errors import ConfigError
 from autotune.live import model_loss
 from autotune.plan import Policy, parse_policy
-from autotune.probe import probe_workload
+from autotune.probe import device_spec, probe_workload
 from autotune.results import LoopShape, ProbeResult
 from autotune.trial import TrainLoop, TrialRunner
 from autotune.workload import OptimizerSpec, Workload
@@ -124,14 +124,13 @@ def tune_accelerator(
     result = probe_workload(
         workload,
         train=accelerate_loop(accelerator, workload, prefetch),
-        device="cpu" if device.type == "cpu" else f"cuda:{device.index or 0}",
+        device=device_spec(device),
         memory=memory,
         headroom=headroom,
         steps=steps,
         effective_batch=effective_batch,
         world_size=accelerator.num_processes,
         policy=policy,
-        confirm=False,
     )
     accumulates = result.plan is not None and policy is Policy.EXACT
     accelerator.gradient_accumulation_steps = result.plan.accumulation_steps if accumulates else 1  # type: ignore[union-attr]

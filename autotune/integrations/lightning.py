@@ -25,6 +25,7 @@ with `Workload.from_model` instead.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -35,8 +36,9 @@ from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_set
 
 from autotune import worstcase
 from autotune.errors import ConfigError, ProbeError
+from autotune.integrations import micro_and_accumulation
 from autotune.plan import Policy
-from autotune.probe import probe_workload
+from autotune.probe import device_spec, probe_workload
 from autotune.results import LoopShape, ProbeResult
 from autotune.trial import TrainLoop, TrialRunner
 from autotune.workload import Workload
@@ -63,8 +65,6 @@ def lightning_loop(
         device = runner.device.torch_device
 
         def train(batch: int, loop: LoopShape) -> float:
-            import time
-
             optimizers, _schedulers = _init_optimizers_and_lr_schedulers(module)
             optimizer = optimizers[0]
             # A fresh scaler: the job's must not learn its scale from the probe (under DDP, rank 0's
@@ -164,7 +164,6 @@ class AutotuneBatchSize(pl.Callback):
             raise ConfigError("AutotuneBatchSize needs one train DataLoader (not a collection of loaders)")
         worst = worstcase.find_worst_case(loader, limit=self.scan_limit)
         make_batch = worstcase.worst_case_maker(loader, worst=worst)
-        device = trainer.strategy.root_device
 
         def configured(params: Any) -> torch.optim.Optimizer:
             return _init_optimizers_and_lr_schedulers(module)[0][0]
@@ -189,20 +188,17 @@ class AutotuneBatchSize(pl.Callback):
             result = probe_workload(
                 workload,
                 train=lightning_loop(trainer, module, make_batch),
-                device="cpu" if device.type == "cpu" else f"cuda:{device.index or 0}",
+                device=device_spec(trainer.strategy.root_device),
                 memory=self.memory,
                 headroom=self.headroom,
                 steps=self.steps,
                 effective_batch=self.effective_batch,
                 world_size=trainer.world_size,
                 policy=Policy.EXACT,
-                confirm=False,
             )
         finally:
             del module.log, module.log_dict
         self.result = result
-        if result.plan is None:
-            return result.max_micro_batch_without_accumulation or result.max_micro_batch, 1
-        for warning in result.plan.warnings:
+        for warning in result.plan.warnings if result.plan is not None else []:
             logger.warning("autotune: %s", warning)
-        return result.plan.micro_batch, result.plan.accumulation_steps
+        return micro_and_accumulation(result)

@@ -32,9 +32,10 @@ from transformers.trainer_utils import IntervalStrategy, SaveStrategy
 
 from autotune import worstcase
 from autotune.errors import ConfigError
+from autotune.integrations import micro_and_accumulation
 from autotune.live import OptimizerCopy
 from autotune.plan import Policy
-from autotune.probe import probe_workload
+from autotune.probe import device_spec, probe_workload
 from autotune.results import LoopShape, ProbeResult, TrialRecord
 from autotune.trial import TrainLoop, TrialRunner
 from autotune.workload import Workload
@@ -73,11 +74,6 @@ class _TrainerOptimizer:
 
 def _precision(trainer: Trainer) -> str:
     return "bf16" if trainer.args.bf16 else "fp16" if trainer.args.fp16 else "fp32"
-
-
-def _device(trainer: Trainer) -> str:
-    device = trainer.args.device
-    return "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}"
 
 
 def trainer_loop(trainer: Trainer, dataset: Any, indices: tuple[int, ...]) -> Callable[[TrialRunner], TrainLoop]:
@@ -175,22 +171,15 @@ def tune_trainer(
         workload,
         train=trainer_loop(trainer, dataset, worst.indices),
         on_trial=on_trial,
-        device=_device(trainer),
+        device=device_spec(trainer.args.device),
         memory=memory,
         headroom=headroom,
         steps=steps,
         effective_batch=effective_batch,
         world_size=args.world_size,
         policy=Policy.EXACT,
-        confirm=False,
     )
-    if result.plan is not None:
-        args.per_device_train_batch_size = result.plan.micro_batch
-        args.gradient_accumulation_steps = result.plan.accumulation_steps
-    else:
-        single = result.max_micro_batch_without_accumulation or result.max_micro_batch
-        args.per_device_train_batch_size = single
-        args.gradient_accumulation_steps = 1
+    args.per_device_train_batch_size, args.gradient_accumulation_steps = micro_and_accumulation(result)
     trainer._train_batch_size = args.train_batch_size
     trainer.autotune_result = result  # type: ignore[attr-defined]
     return result
