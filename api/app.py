@@ -1,9 +1,9 @@
 """The FastAPI application: `create_app()` wires settings, lifespan, routes and error handlers.
 
 The lifespan opens the `Service` (registry, devices, store, caches, probe workers) before the
-first request and closes it after the last, marking probes still queued or running as
-interrupted. One process per database: the request-key table of active jobs and the result cache
-live in this process's memory, so run one server (one uvicorn worker) per AUTOTUNE_DB.
+first request and closes it after the last, marking the probe this process runs as interrupted.
+Any number of processes may share one AUTOTUNE_DB (`autotune serve --workers N`, several nodes on
+one PostgreSQL): jobs, leases and results live in the database.
 """
 
 from __future__ import annotations

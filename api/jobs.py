@@ -1,19 +1,22 @@
-"""Probe jobs: one queue and one worker per device, so two probes never share a GPU.
+"""Probe jobs: created, claimed and finished in the database, so that any number of workers and
+nodes share them; one probe at a time per device, whoever runs it.
 
-`submit` runs on the event loop. It returns the job already queued or running for the same
-request key, or queues a new one: with no await between the lookup and the insert, any number of
-identical concurrent requests get one job. Each device's worker is a daemon thread that runs its
-jobs one at a time through `autotune.confirm.probe_and_confirm` (a spawned child with the timeout,
-then the fresh-process confirmation),
-so the event loop keeps answering while probes run. Trials are written to the store as they
-arrive (live progress that survives a crash); the result is stored, then put in the result cache,
-then the job leaves the active table, so that at every moment a request finds the job or its
-result. Waiters on the loop are woken through `call_soon_threadsafe`.
+`submit` (event loop) asks the store for the request key's result, recent deterministic failure
+or active job, or creates a queued one (the store's uniqueness rule, not this process, decides
+between concurrent requests). Every device of this node has a worker thread in every server
+process: it claims the oldest queued job of its (node, device) when it holds the device's lease,
+runs it through `autotune.confirm.probe_and_confirm` (a spawned child with the timeout, then the
+fresh-process confirmation) while a heartbeat renews the lease, and finishes it in one
+transaction. A worker whose process dies stops heartbeating: the next claim on that device fails
+its job as interrupted (at once when the dead process was on this host), and queued jobs wait
+for any worker of the node, this process's successor included.
 
-The workers are daemon threads on purpose: a probe cannot be interrupted from outside, so a server
-shutting down must not wait for one. Its queued and running jobs are marked failed (interrupted),
-and the probe child is terminated with the process (multiprocessing's exit handler ends daemon
-children; a child whose parent was killed outright notices within a second and exits).
+What is true is kept in memory when the database cannot be written (a full disk): the running
+job's trials, and its outcome until a later write succeeds, so answers stay true; the result also
+goes straight to the result cache, so plan queries use it at once.
+
+Waiters (`wait`) are woken by this process's worker directly, or by a watcher that polls the
+statuses of the jobs being waited for (a job another process runs).
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import queue
 import threading
 import time
 import uuid
@@ -33,27 +35,41 @@ from api.metrics import Metrics, outcome_label
 from autotune.errors import AutotuneError
 from autotune.probe import ProbeRequest
 from autotune.results import ProbeResult, TrialRecord
-from autotune.store import INTERRUPTED, JobError, JobRecord, Store, StoreError, now
+from autotune.store import (
+    INTERRUPTED,
+    JobError,
+    JobRecord,
+    Store,
+    StoredResult,
+    StoreError,
+    Submitted,
+    now,
+    worker_id,
+)
 
 log = logging.getLogger(__name__)
 
 Runner = Callable[[ProbeRequest, float, Callable[[TrialRecord], None]], ProbeResult]
 
 # Failures that another probe of the same request would repeat; plan queries answer them from
-# memory for a while instead of starting probe after probe (DeviceError included: a service
+# the store for a while instead of starting probe after probe (DeviceError included: a service
 # without CUDA access, such as one given NVML only, cannot probe a GPU however often it is asked).
 # Time-dependent ones (a busy GPU, a timeout, a crash) are not remembered.
 DETERMINISTIC = frozenset(
     {"NothingFitsError", "NotAnOOMError", "ConfigError", "WorkloadError", "PlanError", "DeviceError"}
 )
 FAILURE_MEMORY_SECONDS = 300.0
+POLL_SECONDS = 0.5  # how often an idle worker looks for jobs other processes queued
+WATCH_SECONDS = 0.25  # how often waiters learn of jobs another process finished
 
 
 @dataclass
-class _Job:
+class _Running:
+    """A job this process runs, or ran and could not yet record: the truth until the store has it."""
+
     record: JobRecord
-    request: ProbeRequest
-    done: asyncio.Event
+    result: ProbeResult | None = None
+    unsaved: bool = False
     trials: list[TrialRecord] = field(default_factory=list)
 
 
@@ -70,138 +86,191 @@ class ProbeManager:
         cache: ResultCache,
         metrics: Metrics,
         *,
+        node: str,
+        devices: list[str],
         timeout: float,
+        lease_seconds: float,
+        max_queue: int,
         runner: Runner | None = None,
     ) -> None:
         self._store = store
         self._cache = cache
         self._metrics = metrics
+        self.node = node
+        self.owner = worker_id()
+        self._devices = list(devices)
         self._timeout = timeout
+        self._lease = lease_seconds
+        self._max_queue = max_queue
         self._runner = runner or _default_runner
         self._lock = threading.Lock()
-        self._jobs: dict[str, _Job] = {}  # queued or running
-        self._by_key: dict[str, str] = {}  # request key -> active job id
-        self._queues: dict[str, queue.Queue[_Job | None]] = {}
-        self._threads: dict[str, threading.Thread] = {}
-        self._failures: dict[str, tuple[float, str]] = {}  # request key -> (when, job id)
-        self._closing = False
+        self._mine: dict[str, _Running] = {}  # running here, or finished here and not yet recorded
+        self._wakeups = {device: threading.Event() for device in self._devices}
+        self._threads: list[threading.Thread] = []
+        self._closing = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiters: dict[str, asyncio.Event] = {}
+        self._watcher: asyncio.Task[None] | None = None
+
+    def start(self) -> list[str]:
+        """Fail this node's jobs whose worker is gone, then start a worker per device. Returns the
+        ids of the jobs found interrupted."""
+        try:
+            interrupted = self._store.sweep(self.node, self._lease)
+        except StoreError as exc:
+            log.warning("could not look for interrupted jobs: %s", exc)
+            interrupted = []
+        if interrupted:
+            self._metrics.probes.labels(outcome_label(INTERRUPTED)).inc(len(interrupted))
+        for device in self._devices:
+            thread = threading.Thread(target=self._work, args=(device,), name=f"autotune-probes-{device}", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+        return interrupted
 
     # Event loop side -------------------------------------------------------------------------
-    def submit(self, *, request_key: str, workload: str, device: str, request: ProbeRequest) -> tuple[JobRecord, bool]:
-        """The active job for `request_key`, or a new queued one. Returns (job, created)."""
+    def submit(
+        self, *, request_key: str, workload: str, device: str, request: ProbeRequest, use_stored: bool, remember: bool
+    ) -> Submitted:
+        """The stored result (`use_stored`), a recent deterministic failure (`remember`), the
+        active job for `request_key`, or a new queued one. Raises QueueFullError, StoreError."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-        with self._lock:
-            if self._closing:
-                raise StoreError("the server is shutting down: ask again once it is back")
-            active = self._by_key.get(request_key)
-            if active is not None:
-                return self._snapshot(self._jobs[active]), False
-            record = JobRecord(
-                id=uuid.uuid4().hex,
-                request_key=request_key,
-                workload=workload,
-                device=device,
-                request=request.model_dump(mode="json"),
-                status="queued",
-                created_at=now(),
-            )
-            self._store.create_job(record)  # before it is visible: a failed write leaves no ghost job
-            job = _Job(record=record, request=request, done=asyncio.Event())
-            self._jobs[record.id] = job
-            self._by_key[request_key] = record.id
-            self._failures.pop(request_key, None)
-            self._queue(device).put(job)
-            self._update_depth(device)
-            return self._snapshot(job), True
+        if self._closing.is_set():
+            raise StoreError("the server is shutting down: ask again once it is back")
+        record = JobRecord(
+            id=uuid.uuid4().hex,
+            request_key=request_key,
+            workload=workload,
+            device=device,
+            node=self.node,
+            request=request.model_dump(mode="json"),
+            status="queued",
+            created_at=now(),
+        )
+        submitted = self._store.submit(
+            record,
+            max_queue=self._max_queue,
+            use_stored=use_stored,
+            failure_memory=FAILURE_MEMORY_SECONDS if remember else None,
+            remembered=DETERMINISTIC,
+        )
+        if submitted.created and device in self._wakeups:
+            self._wakeups[device].set()
+        if submitted.job is not None:
+            return Submitted(job=self._truth(submitted.job), created=submitted.created, stored=submitted.stored)
+        return submitted
 
     def get(self, job_id: str) -> JobRecord | None:
-        """The job while it is queued or running (with its trials so far), else None."""
+        """The job as it stands: what this process knows first (it runs it, or could not record
+        its outcome), else the store's row with its trials."""
         with self._lock:
-            job = self._jobs.get(job_id)
-            return None if job is None else self._snapshot(job)
+            mine = self._mine.get(job_id)
+            if mine is not None:
+                return self._snapshot(mine)
+        return self._store.get_job(job_id)
 
-    def recent_failure(self, request_key: str) -> str | None:
-        """The id of a job for this key that failed deterministically in the last few minutes."""
+    def mine(self, job_id: str) -> tuple[JobRecord, ProbeResult | None] | None:
         with self._lock:
-            found = self._failures.get(request_key)
-            if found is None:
-                return None
-            when, job_id = found
-            if time.monotonic() - when > FAILURE_MEMORY_SECONDS:
-                del self._failures[request_key]
-                return None
-            return job_id
+            found = self._mine.get(job_id)
+            return None if found is None else (self._snapshot(found), found.result)
 
     async def wait(self, job_id: str, timeout: float) -> None:
         """Return when the job has finished, or after `timeout` seconds, whichever is first."""
-        with self._lock:
-            job = self._jobs.get(job_id)
-        if job is None or timeout <= 0:
+        if timeout <= 0:
             return
-        try:
-            await asyncio.wait_for(job.done.wait(), timeout)
-        except TimeoutError:
-            return
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        event = self._waiters.get(job_id)
+        if event is None:
+            event = self._waiters[job_id] = asyncio.Event()
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
+
+    async def _watch(self) -> None:
+        while self._waiters:
+            ids = list(self._waiters)
+            try:
+                statuses = await asyncio.to_thread(self._store.job_statuses, ids)
+            except StoreError:
+                statuses = {}
+            for job_id in ids:
+                mine = self.mine(job_id)
+                status = mine[0].status if mine is not None else statuses.get(job_id, "failed")
+                if status not in ("queued", "running"):
+                    event = self._waiters.pop(job_id, None)
+                    if event is not None:
+                        event.set()
+            for job_id, event in list(self._waiters.items()):
+                if event.is_set():  # woken by this process's worker
+                    self._waiters.pop(job_id, None)
+            await asyncio.sleep(WATCH_SECONDS)
 
     def depth(self, device: str) -> int:
-        with self._lock:
-            return self._depth(device)
+        """Queued and running jobs of this node's `device`, from the store."""
+        return self.depths().get(device, 0)
+
+    def depths(self) -> dict[str, int]:
+        """Queued and running jobs of this node, by device (every device, zero included)."""
+        try:
+            found = self._store.active_jobs(self.node)
+        except StoreError:
+            found = {}
+        return {device: found.get(device, 0) for device in [*self._devices, *found]}
 
     def close(self) -> None:
-        """Stop taking jobs; mark the queued and running ones failed (interrupted)."""
+        """Stop claiming; fail the job this process is running (interrupted); queued jobs stay
+        queued for the node's other workers or this server's successor."""
+        self._closing.set()
+        for wakeup in self._wakeups.values():
+            wakeup.set()
         with self._lock:
-            self._closing = True
-            jobs = list(self._jobs.values())
-            self._jobs.clear()
-            self._by_key.clear()
-            queues = list(self._queues.values())
-        for job in jobs:
+            running = [m for m in self._mine.values() if m.record.status == "running"]
+        for mine in running:
             error = JobError(type=INTERRUPTED, message="interrupted: the server shut down; ask for the probe again")
             try:
-                self._store.fail_job(job.record.id, error)
+                self._store.fail(mine.record, error, owner=self.owner)
             except StoreError as exc:
-                log.warning("could not mark job %s interrupted: %s", job.record.id, exc)
+                log.warning("could not mark job %s interrupted: %s", mine.record.id, exc)
             self._metrics.probes.labels(outcome_label(INTERRUPTED)).inc()
-            job.done.set()
-        for q in queues:
-            q.put(None)
 
     # Worker side -----------------------------------------------------------------------------
-    def _queue(self, device: str) -> queue.Queue[_Job | None]:
-        q = self._queues.get(device)
-        if q is None:
-            q = self._queues[device] = queue.Queue()
-            thread = threading.Thread(target=self._work, args=(q,), name=f"autotune-probes-{device}", daemon=True)
-            self._threads[device] = thread
-            thread.start()
-        return q
-
-    def _work(self, q: queue.Queue[_Job | None]) -> None:
-        while True:
-            job = q.get()
-            if job is None or self._closing:
-                return
+    def _work(self, device: str) -> None:
+        wakeup = self._wakeups[device]
+        while not self._closing.is_set():
+            self._record_unsaved()
+            try:
+                job = self._store.claim(self.node, device, self.owner, self._lease)
+            except StoreError as exc:
+                log.warning("could not look for probe jobs on %s: %s", device, exc)
+                job = None
+            if job is None:
+                wakeup.wait(POLL_SECONDS)
+                wakeup.clear()
+                continue
             try:
                 self._run(job)
             except Exception:  # the worker must outlive any one job's failure
-                log.exception("probe job %s: unexpected failure in the worker", job.record.id)
+                log.exception("probe job %s: unexpected failure in the worker", job.id)
 
-    def _run(self, job: _Job) -> None:
-        record = job.record
+    def _run(self, record: JobRecord) -> None:
+        mine = _Running(record=record, trials=list(record.trials))
         with self._lock:
-            record.status = "running"
-            record.started_at = now()
-        try:
-            self._store.mark_running(record.id, record.started_at)
-        except StoreError as exc:  # the probe can still run and its outcome be stored
-            log.warning("could not mark job %s running: %s", record.id, exc)
+            self._mine[record.id] = mine
         self._metrics.probes_started.labels(record.device).inc()
+        beating = threading.Event()
+        heart = threading.Thread(
+            target=self._beat, args=(record, beating), daemon=True, name=f"heartbeat-{record.id[:8]}"
+        )
+        heart.start()
         started = time.perf_counter()
         error: JobError | None = None
+        result: ProbeResult | None = None
         try:
-            result = self._runner(job.request, self._timeout, lambda trial: self._on_trial(job, trial))
+            request = ProbeRequest.model_validate(record.request)
+            result = self._runner(request, self._timeout, lambda trial: self._on_trial(mine, trial))
         except AutotuneError as exc:
             error = JobError(type=type(exc).__name__, message=str(exc))
         except Exception as exc:  # an engine bug must fail the job, not the worker
@@ -209,59 +278,92 @@ class ProbeManager:
             error = JobError(
                 type="InternalError", message=f"the probe failed unexpectedly: {type(exc).__name__}: {exc}"
             )
-        else:
-            if not self._closing:
-                try:
-                    stored = self._store.put_result(result, record.request_key, source="probe", job_id=record.id)
-                except StoreError as exc:
-                    error = JobError(
-                        type="StoreError", message=f"the probe succeeded but its result was not stored: {exc}"
-                    )
-                else:
-                    self._cache.put(record.request_key, stored)
+        finally:
+            beating.set()
         seconds = time.perf_counter() - started
-        if self._closing:
+        if self._closing.is_set():
             return  # close() has marked it interrupted
-        if error is not None:
-            try:
-                self._store.fail_job(record.id, error)
-            except StoreError as exc:
-                log.warning("could not record the failure of job %s: %s", record.id, exc)
+        with self._lock:
+            mine.record.finished_at = now()
+            if error is None:
+                assert result is not None
+                mine.record.status = "succeeded"
+                mine.record.fingerprint = result.fingerprint
+                mine.result = result
+            else:
+                mine.record.status = "failed"
+                mine.record.error = error
+            mine.unsaved = True
+        if result is not None:
+            # Plan queries use it at once, whether or not the store can take it now.
+            self._cache.put(record.request_key, StoredResult(result=result, source="probe", stored_at=now()))
         self._metrics.probes.labels(outcome_label(error.type if error else None)).inc()
         self._metrics.probe_seconds.observe(seconds)
-        with self._lock:
-            self._jobs.pop(record.id, None)
-            if self._by_key.get(record.request_key) == record.id:
-                del self._by_key[record.request_key]
-            if error is not None and error.type in DETERMINISTIC:
-                self._failures[record.request_key] = (time.monotonic(), record.id)
-            self._update_depth(record.device)
-        self._wake(job)
+        self._record(mine)
+        self._wake(record.id)
 
-    def _on_trial(self, job: _Job, trial: TrialRecord) -> None:
-        with self._lock:
-            job.trials.append(trial)
-            seq = len(job.trials)
+    def _beat(self, record: JobRecord, stop: threading.Event) -> None:
+        while not stop.wait(self._lease / 3):
+            try:
+                if not self._store.heartbeat(record.id, record.node, record.device, self.owner, self._lease):
+                    log.warning("probe job %s: this worker lost the lease on %s", record.id, record.device)
+            except StoreError as exc:
+                log.warning("probe job %s: heartbeat not recorded: %s", record.id, exc)
+
+    def _record(self, mine: _Running) -> bool:
+        """Write a finished job's outcome; on success forget it here. False if the store refused."""
+        record = mine.record
         try:
-            self._store.add_trial(job.record.id, seq, trial)
+            if mine.result is not None:
+                stored = self._store.finish(record, mine.result, self.owner)
+                self._cache.put(record.request_key, stored)
+            else:
+                assert record.error is not None
+                self._store.fail(record, record.error, owner=self.owner, finished_at=record.finished_at)
+                for seq, trial in enumerate(mine.trials, start=1):
+                    self._store.add_trial(record.id, seq, trial)
         except StoreError as exc:
-            log.warning("could not store trial %d of job %s: %s", seq, job.record.id, exc)
+            log.warning("probe job %s: outcome not recorded yet (%s); kept in memory and retried", record.id, exc)
+            return False
+        with self._lock:
+            self._mine.pop(record.id, None)
+        return True
 
-    def _wake(self, job: _Job) -> None:
+    def _record_unsaved(self) -> None:
+        with self._lock:
+            pending = [m for m in self._mine.values() if m.unsaved]
+        for mine in pending:
+            if not self._record(mine):
+                return
+
+    def _on_trial(self, mine: _Running, trial: TrialRecord) -> None:
+        with self._lock:
+            mine.trials.append(trial)
+            seq = len(mine.trials)
+        try:
+            self._store.add_trial(mine.record.id, seq, trial)
+        except StoreError as exc:
+            log.warning("could not store trial %d of job %s: %s", seq, mine.record.id, exc)
+
+    def _wake(self, job_id: str) -> None:
         loop = self._loop
         if loop is None:
             return
+
+        def wake() -> None:
+            event = self._waiters.pop(job_id, None)
+            if event is not None:
+                event.set()
+
         with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting any more
-            loop.call_soon_threadsafe(job.done.set)
+            loop.call_soon_threadsafe(wake)
 
-    def _depth(self, device: str) -> int:
-        # Called with the lock held.
-        return sum(1 for job in self._jobs.values() if job.record.device == device)
+    def _truth(self, record: JobRecord) -> JobRecord:
+        with self._lock:
+            mine = self._mine.get(record.id)
+            return record if mine is None else self._snapshot(mine)
 
-    def _update_depth(self, device: str) -> None:
-        # Called with the lock held.
-        self._metrics.queue_depth.labels(device).set(self._depth(device))
-
-    def _snapshot(self, job: _Job) -> JobRecord:
+    @staticmethod
+    def _snapshot(mine: _Running) -> JobRecord:
         # Called with the lock held: a copy the caller may read while the worker goes on.
-        return job.record.model_copy(update={"trials": list(job.trials)})
+        return mine.record.model_copy(update={"trials": list(mine.trials)})

@@ -3,11 +3,19 @@
 Each app has its own registry rather than prometheus-client's global one, so that two apps in one
 process (tests, the benchmark) count separately and creating an app twice never fails with
 "Duplicated timeseries".
+
+Under `autotune serve --workers N` the workers are separate processes: `serve` sets
+PROMETHEUS_MULTIPROC_DIR before they start, each one's counts go to files there, and whichever
+worker answers /metrics sums them all, so a scrape counts the node, not one worker. The queue depth
+is read from the store at each scrape (it is the node's truth, whichever process runs the jobs).
 """
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -50,7 +58,11 @@ class Metrics:
             registry=self.registry,
         )
         self.queue_depth = Gauge(
-            "autotune_probe_queue_depth", "Probe jobs queued or running, by device.", ["device"], registry=self.registry
+            "autotune_probe_queue_depth",
+            "Probe jobs queued or running, by device.",
+            ["device"],
+            registry=self.registry,
+            multiprocess_mode="mostrecent",
         )
         self.plan_requests = Counter("autotune_plan_requests", "Plan queries answered.", registry=self.registry)
         self.plan_cache_hits = Counter(
@@ -62,5 +74,12 @@ class Metrics:
             "autotune_results_published", "Results accepted by POST /v1/results.", registry=self.registry
         )
 
-    def render(self) -> bytes:
+    def render(self, depths: dict[str, int] | None = None) -> bytes:
+        for device, depth in (depths or {}).items():
+            self.queue_depth.labels(device).set(depth)
+        shared = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if shared:
+            combined = CollectorRegistry()
+            MultiProcessCollector(combined, path=shared)
+            return generate_latest(combined)
         return generate_latest(self.registry)

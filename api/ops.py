@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request, Response, status
 
 from api.metrics import CONTENT_TYPE
@@ -19,7 +21,7 @@ async def healthz() -> Health:
 @router.get(
     "/readyz",
     response_model=Readiness,
-    summary="The store is open and the devices are known",
+    summary="The store can be written and the devices are known",
     responses={503: {"model": Readiness, "description": "Not ready: `problems` says why."}},
 )
 async def readyz(request: Request) -> Response:
@@ -27,9 +29,11 @@ async def readyz(request: Request) -> Response:
     if svc is None:
         view = Readiness(status="not ready", store=False, devices=[], results=0, problems=["starting up"])
         return Response(view.model_dump_json(), status.HTTP_503_SERVICE_UNAVAILABLE, media_type="application/json")
-    store_ok = svc.store.ping()
+    # A write, not only a read: a full disk answers reads and refuses every job and result.
+    failure = await asyncio.to_thread(svc.check_writable)
+    store_ok = failure is None
     devices = svc.devices.ids()
-    problems = [] if store_ok else [f"the database {svc.store.path} does not answer"]
+    problems = [] if store_ok else [f"the database {svc.store.name} cannot be written: {failure}"]
     view = Readiness(
         status="ready" if not problems else "not ready",
         store=store_ok,
@@ -49,4 +53,5 @@ async def metrics(request: Request) -> Response:
         return Response(
             "# starting up or shutting down\n", status.HTTP_503_SERVICE_UNAVAILABLE, media_type=CONTENT_TYPE
         )
-    return Response(svc.metrics.render(), media_type=CONTENT_TYPE)
+    depths = await asyncio.to_thread(svc.jobs.depths)
+    return Response(svc.metrics.render(depths), media_type=CONTENT_TYPE)

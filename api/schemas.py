@@ -4,15 +4,22 @@ Result documents are `autotune.results.ProbeResult` unchanged, plans are `autotu
 Sizes accept a byte count or a string with a unit ("512MiB"); headroom a fraction (0.05), a
 percentage ("5%") or a size ("2GiB"). Every field is bounded: a request is either valid and
 cheap to serve, or a 422 naming the field.
+
+The document states exactly what is accepted: the grammar of a size or a headroom is one regular
+expression (`SIZE_PATTERN`, `HEADROOM_PATTERN`), and the server checks a string against that same
+expression before parsing it, so the schema and the server never disagree about a value. What a
+schema cannot state (headroom against memory, memory against the device, an effective batch
+against the world size) is a 422 whose `detail` is a message, not a list of field errors.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
 from autotune.errors import ConfigError
 from autotune.plan import Plan, Policy
@@ -24,24 +31,67 @@ from autotune.units import parse_headroom, parse_size
 MAX_BATCH = 2**20  # samples: more than any micro-batch or effective batch we have seen asked for
 MAX_STEPS = 20  # training steps per trial: 2 reach the steady state, a few more smooth timings
 MAX_WAIT = 60.0  # seconds a plan query may block; clients loop for longer waits
-DEVICE_PATTERN = r"^(cpu|cuda|cuda:\d{1,3})$"
+MAX_SIZE = 2**53  # bytes (8 PiB): a byte count as JSON numbers carry it exactly
+DEVICE_PATTERN = r"^(cpu|cuda|cuda:[0-9]{1,3})$"
+JOB_ID_PATTERN = r"^[0-9a-f]{32}$"
+FINGERPRINT_PATTERN = r"^[0-9a-f]{64}$"
+
+# A size as a string: a positive number (no leading zero, so never less than one byte; write
+# 512MiB rather than 0.5GiB) with an optional unit, as `autotune.units.parse_size` reads it.
+_NUMBER = r"[1-9][0-9]{0,15}(\.[0-9]{1,6})?"
+_UNIT = r"([KkMmGgTt]([Ii]?[Bb])?|[Bb])"
+SIZE_PATTERN = rf"^{_NUMBER} ?{_UNIT}?$"
+# Headroom as a string: a fraction below 1 ("0.05"), a percentage below 100 ("5%", "12.5%"), or
+# a size with its unit ("2GiB": a bare "5" would be ambiguous, so a size needs its unit).
+HEADROOM_PATTERN = rf"^(0(\.[0-9]{{1,6}})?|([0-9]|[1-9][0-9])(\.[0-9]{{1,6}})?%|{_NUMBER} ?{_UNIT})$"
+_SIZE_TEXT = re.compile(SIZE_PATTERN.replace("$", r"\Z"))
+_HEADROOM_TEXT = re.compile(HEADROOM_PATTERN.replace("$", r"\Z"))
+
+_SIZE_HELP = "a byte count (1 to 2^53) or a string such as 512MiB, 24GiB or 80GB"
+_HEADROOM_HELP = "a fraction in [0, 1) (0.05), a percentage below 100 ('5%') or a size with its unit ('2GiB')"
+SIZE_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {"type": "integer", "minimum": 1, "maximum": MAX_SIZE},
+        {"type": "string", "pattern": SIZE_PATTERN},
+    ]
+}
+HEADROOM_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
+        {"type": "integer", "minimum": 0, "maximum": MAX_SIZE},
+        {"type": "string", "pattern": HEADROOM_PATTERN},
+    ]
+}
+# In a query string every value is text: headroom is its string form only.
+HEADROOM_QUERY_SCHEMA: dict[str, Any] = {"type": "string", "pattern": HEADROOM_PATTERN}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [*schema.get("anyOf", [schema]), {"type": "null"}]}
+
+
+Size = Annotated[int | str | None, WithJsonSchema(_nullable(SIZE_SCHEMA))]
+Headroom = Annotated[float | int | str | None, WithJsonSchema(_nullable(HEADROOM_SCHEMA))]
 
 
 def size_value(value: object) -> int | None:
     """A byte size from JSON or a query string; ValueError (a 422) for anything else."""
     if value is None:
         return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # JSON Schema counts 5.0 as the integer 5
     if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ValueError("a size is a number of bytes or a string such as 512MiB")
-    if isinstance(value, str) and len(value) > 32:
-        raise ValueError("a size is at most 32 characters")
+        raise ValueError(f"a size is {_SIZE_HELP}")
+    if isinstance(value, int):
+        if not 1 <= value <= MAX_SIZE:
+            raise ValueError(f"a size in bytes is from 1 to 2^53, not {value}")
+        return value
+    if not _SIZE_TEXT.match(value):
+        raise ValueError(f"a size is {_SIZE_HELP}: {value[:40]!r} is not")
     try:
-        size = parse_size(value)
-    except ConfigError as exc:
+        return parse_size(value)
+    except ConfigError as exc:  # not expected: the pattern admits only what parses
         raise ValueError(str(exc)) from None
-    if size < 1:
-        raise ValueError("a size must be at least 1 byte")
-    return size
 
 
 def headroom_value(value: object) -> float | int | None:
@@ -49,18 +99,25 @@ def headroom_value(value: object) -> float | int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ValueError("headroom is a fraction (0.05), a percentage ('5%') or a size ('2GiB')")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError("headroom must be finite")
-    if isinstance(value, str) and len(value) > 32:
-        raise ValueError("headroom is at most 32 characters")
+        raise ValueError(f"headroom is {_HEADROOM_HELP}")
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError("headroom must be finite")
+        if value >= 1 and value.is_integer():
+            value = int(value)  # JSON Schema counts 5.0 as the integer 5: bytes
+        elif not 0 <= value < 1:
+            raise ValueError(f"headroom is {_HEADROOM_HELP}: a number from 1 up is a byte count, so a whole number")
+        else:
+            return value
     if isinstance(value, int):
-        if value < 0:
-            raise ValueError("headroom in bytes must not be negative")
+        if not 0 <= value <= MAX_SIZE:
+            raise ValueError(f"headroom in bytes is from 0 to 2^53, not {value}")
         return value
+    if not _HEADROOM_TEXT.match(value):
+        raise ValueError(f"headroom is {_HEADROOM_HELP}: {value[:40]!r} is not")
     try:
         return parse_headroom(value)
-    except ConfigError as exc:
+    except ConfigError as exc:  # not expected: the pattern admits only what parses
         raise ValueError(str(exc)) from None
 
 
@@ -90,11 +147,9 @@ class ProbeCreate(_MemoryFields):
         pattern=DEVICE_PATTERN,
         description="cpu (the budget device), cuda or cuda:N. Default: cuda:0 when the node has a GPU, else cpu.",
     )
-    memory: int | str | None = Field(
-        default=None, description="Probe as if the device had this much memory: bytes or e.g. '24GiB'."
-    )
+    memory: Size = Field(default=None, description=f"Probe as if the device had this much memory: {_SIZE_HELP}.")
     budget: Literal["total", "free"] | None = Field(default=None, description="GPU budget: the card's total or free.")
-    headroom: float | int | str | None = Field(default=None, description="Kept free: 0.05, '5%' or '2GiB'.")
+    headroom: Headroom = Field(default=None, description=f"Kept free: {_HEADROOM_HELP}.")
     precision: Literal["fp32", "bf16", "fp16"] | None = None
     optimizer: Literal["sgd", "adam", "adamw"] | None = None
     steps: int | None = Field(default=None, ge=1, le=MAX_STEPS, description="Training steps per trial.")
@@ -105,15 +160,22 @@ class ProbeCreate(_MemoryFields):
 
 class PlanQuery(_MemoryFields):
     """`GET /v1/plan` query parameters. Parameters it does not know are ignored, as usual in a
-    query string."""
+    query string. Frozen once validated: `memory` and `headroom` hold what they parse to, so two
+    spellings of one query (memory=128MiB, memory=134217728) are equal and hash alike."""
+
+    model_config = ConfigDict(frozen=True)
 
     workload: str = Field(pattern=NAME_PATTERN, description="A registered workload.")
     effective_batch: int = Field(ge=1, le=MAX_BATCH, description="Samples per optimizer step, over all ranks.")
     world_size: int = Field(default=1, ge=1, le=65536, description="Data-parallel ranks.")
     policy: Policy = Field(default=Policy.FEWEST_STEPS, description="fewest-steps, or exact (equal micro-batches).")
     device: str | None = Field(default=None, pattern=DEVICE_PATTERN, description="cpu, cuda or cuda:N.")
-    memory: int | None = Field(default=None, description="Probe as if the device had this much: bytes or e.g. 24GiB.")
-    headroom: float | int | None = Field(default=None, description="Kept free: 0.05, 5% or 2GiB.")
+    memory: Annotated[int | None, WithJsonSchema(SIZE_SCHEMA)] = Field(
+        default=None, description=f"Probe as if the device had this much memory: {_SIZE_HELP}."
+    )
+    headroom: Annotated[float | int | None, WithJsonSchema(HEADROOM_QUERY_SCHEMA)] = Field(
+        default=None, description=f"Kept free: {_HEADROOM_HELP}."
+    )
     precision: Literal["fp32", "bf16", "fp16"] | None = None
     optimizer: Literal["sgd", "adam", "adamw"] | None = None
     wait: float = Field(
@@ -126,8 +188,12 @@ class RunFailureReport(_MemoryFields):
 
     workload: str = Field(pattern=NAME_PATTERN, description="A registered workload.")
     device: str | None = Field(default=None, pattern=DEVICE_PATTERN, description="cpu, cuda or cuda:N.")
-    memory: int | None = Field(default=None, description="As in the plan query: bytes or e.g. 24GiB.")
-    headroom: float | int | None = Field(default=None, description="As in the plan query: 0.05, 5% or 2GiB.")
+    memory: Annotated[int | None, WithJsonSchema(_nullable(SIZE_SCHEMA))] = Field(
+        default=None, description=f"As in the plan query: {_SIZE_HELP}."
+    )
+    headroom: Annotated[float | int | None, WithJsonSchema(_nullable(HEADROOM_SCHEMA))] = Field(
+        default=None, description=f"As in the plan query: {_HEADROOM_HELP}."
+    )
     precision: Literal["fp32", "bf16", "fp16"] | None = None
     optimizer: Literal["sgd", "adam", "adamw"] | None = None
     micro_batch: int = Field(ge=1, le=MAX_BATCH, description="The micro-batch that ran out of memory in the run.")
@@ -146,21 +212,36 @@ class RunFailureRecorded(BaseModel):
 
 def query_parameters(model: type[BaseModel]) -> list[dict[str, Any]]:
     """OpenAPI `parameters` for a model read from the query string (enums inlined: a query
-    parameter's schema cannot point into the model's own `$defs`)."""
+    parameter's schema cannot point into the model's own `$defs`; no `null`: a query string has
+    none, a parameter is present or absent)."""
     schema = model.model_json_schema()
     definitions = schema.get("$defs", {})
     required = set(schema.get("required", []))
     parameters = []
     for name, field in schema["properties"].items():
-        reference = field.pop("$ref", None)
-        if reference is not None:
-            field = {**definitions[reference.rsplit("/", 1)[-1]], **field}
+        field = _inline(field, definitions)
         description = field.pop("description", "")
         field.pop("title", None)
+        if field.get("default", ...) is None:
+            del field["default"]
+        branches = [b for b in field.pop("anyOf", []) if b.get("type") != "null"]
+        if len(branches) == 1:
+            field = {**field, **branches[0]}
+        elif branches:
+            field["anyOf"] = branches
         parameters.append(
             {"name": name, "in": "query", "required": name in required, "description": description, "schema": field}
         )
     return parameters
+
+
+def _inline(field: dict[str, Any], definitions: dict[str, Any]) -> dict[str, Any]:
+    reference = field.pop("$ref", None)
+    if reference is not None:
+        field = {**definitions[reference.rsplit("/", 1)[-1]], **field}
+    if "anyOf" in field:
+        field["anyOf"] = [_inline(dict(branch), definitions) for branch in field["anyOf"]]
+    return field
 
 
 class ProbeView(BaseModel):
@@ -287,5 +368,66 @@ class Readiness(BaseModel):
     )
 
 
+ErrorCode = Literal[
+    "not_found",
+    "invalid",
+    "queue_full",
+    "no_such_device",
+    "device_unavailable",
+    "store_unavailable",
+    "not_finished",
+    "conflict",
+]
+
+
 class ErrorView(BaseModel):
-    detail: Any
+    """An error: `detail` says what was wrong and how to fix it. `code` names the kind for
+    programs; answers of the HTTP layer itself (401, 405, 413) carry none."""
+
+    detail: str
+    code: ErrorCode | None = None
+
+
+class FieldError(BaseModel):
+    """One field that fails the schema: where (`loc`, e.g. ["query", "memory"]), why, and what was sent."""
+
+    type: str
+    loc: list[str | int]
+    msg: str
+    input: Any = None
+
+
+class InvalidView(BaseModel):
+    """422: `detail` lists the fields that fail the schema; or it is a message, with `code`
+    "invalid", for a rule the schema cannot state (headroom that leaves nothing of the memory,
+    memory beyond what the device has or this server simulates, an effective batch that is not a
+    multiple of the world size, a plan of more than 10,000 accumulation steps)."""
+
+    detail: list[FieldError] | str
+    code: Literal["invalid"] | None = None
+
+
+class QueueFullView(BaseModel):
+    """429: the device already has AUTOTUNE_MAX_QUEUE probes waiting. Ask again after
+    `retry_after` seconds (also the `Retry-After` header)."""
+
+    detail: str
+    code: Literal["queue_full"]
+    retry_after: int = Field(ge=1)
+
+
+class NotFoundView(BaseModel):
+    """404: what the request names is not here. `code` says what: "not_found" (a workload, probe or
+    result), "no_such_device" (this node does not have the device: asking again will not help; ask
+    for one it has, `cpu` always, or another node). A path no route serves has no `code`."""
+
+    detail: str
+    code: Literal["not_found", "no_such_device"] | None = None
+
+
+class UnavailableView(BaseModel):
+    """503: an outage, worth asking again later. `code` "store_unavailable" (the database does
+    not answer) or "device_unavailable" (a device the node has cannot be used now)."""
+
+    detail: str
+    code: Literal["device_unavailable", "store_unavailable"]

@@ -1,7 +1,13 @@
 """The service's state and the decisions the endpoints share, independent of HTTP.
 
 `Service` holds the settings, the store, the registry, the devices, the in-memory caches, the
-probe manager and the metrics, opened once in the app's lifespan. Its methods turn what a request
+probe manager and the metrics, opened once in the app's lifespan (once per worker process).
+
+Stored results are cached in memory: a plan query that finds its key answers without the
+database. A key not in the cache is looked up in the store (another worker or node may have
+stored it), and every AUTOTUNE_CACHE_TTL seconds a refresher compares the store's key index with
+the cache, so a result replaced elsewhere (a run failure lowered it, a newer publish) is seen here
+within that time. Its methods turn what a request
 names (a registered workload, a device, optional budget, headroom, precision...) into a
 `Resolved` probe: the device id, the request key, and the `ProbeRequest` a job would run. Plan
 queries resolve through a bounded memo, so a repeated query costs dictionary lookups only.
@@ -10,12 +16,13 @@ queries resolve through a bounded memo, so a repeated query costs dictionary loo
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from api.cache import Cached, PlanCache, ResultCache
+from api.cache import Cached, PlanCache, PlotCache, ResultCache
 from api.devices import DeviceCatalog, read_inventory
 from api.jobs import ProbeManager, Runner
 from api.metrics import Metrics
@@ -27,7 +34,7 @@ from autotune.probekey import ProbeKey, key_for_request
 from autotune.registry import RegisteredWorkload, Registry, load_registry
 from autotune.results import ProbeResult
 from autotune.settings import Settings
-from autotune.store import JobRecord, Store, StoredResult
+from autotune.store import JobRecord, Store, StoredResult, StoreError, Submitted
 
 log = logging.getLogger(__name__)
 
@@ -68,21 +75,78 @@ class Service:
             self.store.close()
             raise
         self.plans = PlanCache()
-        self.jobs = ProbeManager(self.store, self.results, self.metrics, timeout=settings.probe_timeout, runner=runner)
+        self.plots = PlotCache()
+        self.jobs = ProbeManager(
+            self.store,
+            self.results,
+            self.metrics,
+            node=settings.node,
+            devices=self.devices.ids(),
+            timeout=settings.probe_timeout,
+            lease_seconds=settings.lease_seconds,
+            max_queue=settings.max_queue,
+            runner=runner,
+        )
         self._resolved: OrderedDict[tuple[Any, ...], Resolved] = OrderedDict()
-        self.metrics.probes.labels("interrupted").inc(len(self.store.interrupted))
+        self.writable: str | None = None  # why the last write failed, until one succeeds
+        self.interrupted = self.jobs.start()
+        self._closing = threading.Event()
+        self._refresher = threading.Thread(target=self._refresh, name="autotune-results-refresh", daemon=True)
+        self._refresher.start()
         log.info(
-            "autotune service: %d workload(s), devices %s, %d stored result key(s), "
+            "autotune service: node %s, %d workload(s), devices %s, store %s, %d stored result key(s), "
             "%d interrupted job(s) marked failed",
+            settings.node,
             len(self.registry),
             ", ".join(self.devices.ids()),
+            self.store.name,
             len(self.results),
-            len(self.store.interrupted),
+            len(self.interrupted),
         )
 
     def close(self) -> None:
+        self._closing.set()
         self.jobs.close()
         self.store.close()
+
+    # Stored results ----------------------------------------------------------------------------
+    def lookup(self, digest: str) -> Cached | None:
+        """The result answering a request key: from memory, else from the store (stored by
+        another worker or node since), then kept in memory."""
+        cached = self.results.get(digest)
+        if cached is not None:
+            return cached
+        try:
+            stored = self.store.result_for_key(digest)
+        except StoreError:
+            return None  # the probe path that follows reports the store's state
+        return None if stored is None else self.results.put(digest, stored)
+
+    def _refresh(self) -> None:
+        # Learn of results stored elsewhere that replace cached ones (or answer new keys).
+        while not self._closing.wait(self.settings.cache_ttl):
+            try:
+                index = self.store.key_index()
+                for key, fingerprint in index.items():
+                    cached = self.results.get(key)
+                    if cached is None or cached.stored.result.fingerprint != fingerprint:
+                        stored = self.store.result_for_key(key)
+                        if stored is not None:
+                            self.results.put(key, stored)
+            except StoreError as exc:
+                log.warning("could not refresh stored results: %s", exc)
+            except Exception:  # the refresher must outlive a bad row
+                log.exception("refreshing stored results failed")
+
+    def check_writable(self) -> str | None:
+        """None when a write succeeds now, else why not (readiness)."""
+        try:
+            self.store.touch_node(self.settings.node)
+        except StoreError as exc:
+            self.writable = str(exc)
+            return self.writable
+        self.writable = None
+        return None
 
     # Resolving requests ----------------------------------------------------------------------
     def resolve(
@@ -142,22 +206,33 @@ class Service:
             self._resolved.popitem(last=False)
         return resolved
 
-    def submit(self, resolved: Resolved) -> tuple[JobRecord, bool]:
-        return self.jobs.submit(
+    def submit(self, resolved: Resolved, *, use_stored: bool, remember: bool = False) -> Submitted:
+        """The stored result (`use_stored`), a recent deterministic failure (`remember`), the
+        active job, or a new one. Raises QueueFullError (429) or StoreError (503)."""
+        submitted = self.jobs.submit(
             request_key=resolved.digest,
             workload=resolved.entry.name,
             device=resolved.device,
             request=resolved.request,
+            use_stored=use_stored,
+            remember=remember,
         )
+        if submitted.stored is not None:
+            self.results.put(resolved.digest, submitted.stored)
+        return submitted
 
     # Views -----------------------------------------------------------------------------------
     def job_view(self, job_id: str) -> ProbeView | None:
-        """A job, active (from memory, with its trials so far) or finished (from the store)."""
-        record = self.jobs.get(job_id) or self.store.get_job(job_id)
+        """A job as it stands: this process's own knowledge of a job it runs (or could not yet
+        record), else the store's."""
+        mine = self.jobs.mine(job_id)
+        record = mine[0] if mine is not None else self.store.get_job(job_id)
         if record is None:
             return None
-        result = None
-        if record.status == "succeeded" and record.fingerprint:
+        return self.record_view(record, mine[1] if mine is not None else None)
+
+    def record_view(self, record: JobRecord, result: ProbeResult | None = None) -> ProbeView:
+        if result is None and record.status == "succeeded" and record.fingerprint:
             stored = self.store.get_result(record.fingerprint)
             result = stored.result if stored else None
         return ProbeView(

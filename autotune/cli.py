@@ -359,6 +359,10 @@ def devices(
 def serve(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    workers: Annotated[
+        int,
+        typer.Option(min=1, max=64, help="Server processes on this node; they share the store (AUTOTUNE_DB)."),
+    ] = 1,
 ) -> None:
     """Run the autotune service (AUTOTUNE_* settings; needs the `server` extra)."""
     try:
@@ -367,7 +371,7 @@ def serve(
         raise ConfigError(
             f"the service needs autotune's server extra (fastapi, uvicorn, prometheus-client): {exc}"
         ) from None
-    run_server(host=host, port=port)
+    run_server(host=host, port=port, workers=workers)
 
 
 @app.command()

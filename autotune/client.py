@@ -15,6 +15,12 @@ workload read from AUTOTUNE_WORKLOADS (or the built-ins), in an isolated child. 
 still running when `timeout` passes is not a reason to fall back: a second probe on the same GPU
 would measure a card the first one is using.
 
+A device the service's node does not have is a refusal, not an outage: the service answers it
+with `"code": "no_such_device"` (a 404), and the client raises `NoSuchDeviceError` at once, with
+no retry and no local probe, whatever the status (probing "it" locally would measure whatever
+device this process sees instead). Only a connection failure or a 5xx without that code (the
+store is down, a proxy has no upstream) is "unavailable".
+
 Only httpx: no web framework, and torch is imported only for a local fallback.
 """
 
@@ -38,6 +44,7 @@ log = logging.getLogger(__name__)
 
 Fallback = Literal["local", "error"]
 MAX_WAIT = 30.0  # seconds one plan query asks the service to block (the service allows 60)
+NO_SUCH_DEVICE = "no_such_device"  # the error code of a device the service's node does not have
 
 
 class _Unreachable(errors.ServiceUnavailableError):
@@ -315,7 +322,7 @@ class AutotuneClient:
                         f"cannot reach the autotune service at {self.base_url}: {type(exc).__name__}: {exc}"
                     ) from None
             else:
-                if response.status_code not in (502, 503, 504) or last:
+                if response.status_code not in (502, 503, 504) or last or _code(response) == NO_SUCH_DEVICE:
                     return _check(response)
             self._sleep(delay)
             delay = min(delay * 2, self._max_backoff)
@@ -344,9 +351,23 @@ def _check(response: httpx.Response) -> httpx.Response:
         raise errors.AuthError(
             f"the autotune service refused the token: {detail} (set AUTOTUNE_TOKEN or pass token=)", status_code=code
         )
+    if _code(response) == NO_SUCH_DEVICE:
+        raise errors.NoSuchDeviceError(f"the autotune service refused: {detail}", status_code=code)
     if code >= 500:
         raise _Unreachable(f"the autotune service answered {code}: {detail}", status_code=code)
     raise errors.ServiceError(f"the autotune service answered {code}: {detail}", status_code=code)
+
+
+def _code(response: httpx.Response) -> str | None:
+    """The `code` of the service's error answer (`api.schemas.ErrorView`), if it has one."""
+    if response.status_code < 400 or not response.headers.get("content-type", "").startswith("application/json"):
+        return None
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    code = body.get("code") if isinstance(body, dict) else None
+    return code if isinstance(code, str) else None
 
 
 def _detail(response: httpx.Response) -> str:

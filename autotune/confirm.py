@@ -20,10 +20,9 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
+import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from pydantic import BaseModel
 
@@ -216,37 +215,49 @@ def fresh_runner(result: ProbeResult, request: ProbeRequest, timeout: float) -> 
 
 
 def run_fresh(job: FreshRunRequest, timeout: float) -> TrialRecord:
-    """Run one trial in a new `python -m autotune.confirm` process; its record or our error."""
-    with tempfile.TemporaryDirectory(prefix="autotune-confirm-") as tmp:
-        request_path, answer_path = Path(tmp, "request.json"), Path(tmp, "answer.json")
-        request_path.write_text(job.model_dump_json())
-        command = [sys.executable, "-m", "autotune.confirm", str(request_path), str(answer_path)]
-        # The child must import autotune and the workload as this process does: its sys.path,
-        # with the current directory made absolute.
-        path = [os.path.abspath(p or os.curdir) for p in [*sys.path, ""]]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path))}
-        try:
-            completed = subprocess.run(
-                command,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                timeout=timeout,
-                check=False,
-            )
-        except subprocess.TimeoutExpired:
-            raise ProbeTimeoutError(
-                f"the fresh-process confirmation of batch {job.batch} ran past {timeout:g} s and was killed: "
-                "raise the timeout or lower --confirm-steps"
-            ) from None
-        if not answer_path.exists():
-            tail = completed.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
-            raise errors.ProbeCrashedError(
-                f"the fresh-process confirmation of batch {job.batch} exited with code {completed.returncode} "
-                f"without an answer: {tail[0]}"
-            )
-        answer = json.loads(answer_path.read_text())
+    """Run one trial in a new `python -m autotune.confirm` process; its record or our error.
+
+    The request goes in on the child's stdin and the answer comes back on a pipe of its own (the
+    workload may print on stdout): no file is written, so a full disk cannot fail a probe."""
+    command = [sys.executable, "-m", "autotune.confirm"]
+    # The child must import autotune and the workload as this process does: its sys.path,
+    # with the current directory made absolute.
+    path = [os.path.abspath(p or os.curdir) for p in [*sys.path, ""]]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path))}
+    read_end, write_end = os.pipe()
+    chunks: list[bytes] = []
+    reader = threading.Thread(target=_drain, args=(read_end, chunks), daemon=True)
+    try:
+        child = subprocess.Popen(
+            [*command, str(write_end)],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            pass_fds=(write_end,),
+        )
+    finally:
+        os.close(write_end)  # the child holds its own copy: EOF comes when it exits
+    reader.start()
+    try:
+        _, stderr = child.communicate(job.model_dump_json().encode(), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        raise ProbeTimeoutError(
+            f"the fresh-process confirmation of batch {job.batch} ran past {timeout:g} s and was killed: "
+            "raise the timeout or lower --confirm-steps"
+        ) from None
+    finally:
+        reader.join(timeout=10)
+    text = b"".join(chunks).decode(errors="replace")
+    if not text:
+        tail = stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+        raise errors.ProbeCrashedError(
+            f"the fresh-process confirmation of batch {job.batch} exited with code {child.returncode} "
+            f"without an answer: {tail[0]}"
+        )
+    answer = json.loads(text)
     if "error" in answer:
         raise errors.from_report(
             answer["error"], message=f"confirmation in a fresh process: {answer['error'].get('message')}"
@@ -254,8 +265,13 @@ def run_fresh(job: FreshRunRequest, timeout: float) -> TrialRecord:
     return TrialRecord.model_validate(answer["trial"])
 
 
-def _child(request_path: str, answer_path: str) -> None:
-    job = FreshRunRequest.model_validate_json(Path(request_path).read_text())
+def _drain(fd: int, chunks: list[bytes]) -> None:
+    with os.fdopen(fd, "rb") as pipe:
+        chunks.append(pipe.read())
+
+
+def _child(answer_fd: int) -> None:
+    job = FreshRunRequest.model_validate_json(sys.stdin.buffer.read())
     answer: dict[str, object]
     try:
         answer = {"trial": _one_trial(job).model_dump(mode="json")}
@@ -263,7 +279,8 @@ def _child(request_path: str, answer_path: str) -> None:
         answer = {"error": errors.report(exc)}
     except Exception as exc:  # noqa: BLE001 - reported to the parent as a failed confirmation
         answer = {"error": {"type": "ProbeError", "message": f"{type(exc).__name__}: {exc}"}}
-    Path(answer_path).write_text(json.dumps(answer))
+    with os.fdopen(answer_fd, "w") as pipe:
+        pipe.write(json.dumps(answer))
 
 
 def _one_trial(job: FreshRunRequest) -> TrialRecord:
@@ -329,10 +346,10 @@ def _release_cuda_cache() -> None:
 
 
 def main() -> None:
-    if len(sys.argv) != 3:
-        sys.stderr.write("usage: python -m autotune.confirm REQUEST.json ANSWER.json (autotune's own use)\n")
+    if len(sys.argv) != 2 or not sys.argv[1].isdigit():
+        sys.stderr.write("usage: python -m autotune.confirm ANSWER_FD < REQUEST.json (autotune's own use)\n")
         sys.exit(2)
-    _child(sys.argv[1], sys.argv[2])
+    _child(int(sys.argv[1]))
 
 
 if __name__ == "__main__":

@@ -11,8 +11,11 @@
     │   ├── ProbeTimeoutError      the isolated child ran past its timeout
     │   └── InsufficientMemoryError the device has less free memory than a probe needs to start
     ├── DeviceError                a device that is missing or unusable
+    ├── StoreError                 the database cannot be opened, read or written
+    ├── QueueFullError             a device's probe queue is full (HTTP 429, Retry-After)
     └── ServiceError               the autotune service answered with an error (client side)
         ├── ServiceUnavailableError cannot reach the service, or it answered 5xx/503
+        ├── NoSuchDeviceError      503 "no_such_device": the node lacks the device (a refusal)
         └── AuthError              401: missing or wrong token
 
 Messages say what was wrong and how to fix it; they never carry a traceback to the user.
@@ -86,6 +89,18 @@ class DeviceError(AutotuneError):
     """A device that does not exist or cannot be used."""
 
 
+class StoreError(AutotuneError):
+    """The database cannot be opened, read or written (disk full, permissions, corruption)."""
+
+
+class QueueFullError(AutotuneError):
+    """A device already has as many probe jobs waiting as the service accepts (AUTOTUNE_MAX_QUEUE)."""
+
+    def __init__(self, message: str, *, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class ServiceError(AutotuneError):
     """The autotune service answered with an error."""
 
@@ -100,6 +115,12 @@ class ServiceUnavailableError(ServiceError):
 
 class AuthError(ServiceError):
     """The service refused the token (HTTP 401)."""
+
+
+class NoSuchDeviceError(ServiceError):
+    """The service's node does not have the device asked for (HTTP 503 with code
+    "no_such_device"): a refusal, not an outage. Asking again will not help, and neither would a
+    local probe in its place: ask for a device the node has (`cpu` always), or another node."""
 
 
 def report(exc: AutotuneError) -> dict[str, Any]:

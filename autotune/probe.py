@@ -194,18 +194,22 @@ def load_workload(request: ProbeRequest) -> Workload:
 
 
 def result_fingerprint(workload: Workload, request: ProbeRequest, info: DeviceInfo, limit_bytes: int) -> str:
-    return fingerprint.fingerprint(
-        workload,
+    """The result's fingerprint. `autotune.fingerprint.result_environment` reads the same
+    environment back from the result, so that the service can check a published result's model."""
+    environment = fingerprint.probe_environment(
         steps=request.steps,
-        device={"kind": info.kind, "name": info.name, "total_bytes": info.total_bytes},
+        device_kind=info.kind,
+        device_name=info.name,
+        total_bytes=info.total_bytes,
         limit_bytes=limit_bytes,
         max_batch=request.max_batch,
         granularity=request.granularity,
         prefetch=request.prefetch,
-        torch=torch.__version__,
-        cuda=torch.version.cuda,
+        torch_version=torch.__version__,
+        cuda_version=torch.version.cuda,
         allocator=gpu.allocator_config(),
     )
+    return fingerprint.fingerprint(workload, **environment)
 
 
 # The loop shapes a probe verifies: one micro-step per optimizer step, and accumulation. Two

@@ -8,6 +8,14 @@ form that the request and the result both give:
 
 - the workload as target and options (not its registered name: two names for the same thing
   share results), with precision, optimizer, steps, cap and granularity resolved;
+- what the workload builds, recorded when the registry loaded (`autotune.registry`): the model's
+  structure (`model_fingerprint`: the module tree on the meta device, class names, parameter and
+  buffer names, shapes, dtypes) and its source (`source_hash`: the user's files that define the
+  workload and its model). The name, target and options stay the same when a model file is
+  edited; these do not, so an edited model (a hidden layer 256 -> 4096) gets a new key after the
+  restart and a probe, instead of the old model's answer. Old results stay stored (and readable by
+  fingerprint); no query reaches them any more. Any edit of those files, a comment included,
+  changes the key: a needless probe costs seconds, a stale answer an out-of-memory crash;
 - the device model: its kind, name and total memory as torch reports it. For a GPU the service
   reads NVML, whose total includes memory the driver reserves: torch's `total_memory` equals
   NVML's v2 total minus `reserved` (85,017,493,504 = 85,520,809,984 - 503,316,480 on an H100);
@@ -18,6 +26,9 @@ form that the request and the result both give:
 
 `key_from_result` derives the key of a result made elsewhere (`POST /v1/results`), so that a probe
 run inside a training pod answers every later query for the same workload on the same GPU model.
+A result carries no model or source hash of its own: it takes the registered entry's, after
+`result_model_problems` has checked, through the result's fingerprint, that it was probed from the
+model the entry builds.
 """
 
 from __future__ import annotations
@@ -26,14 +37,16 @@ import hashlib
 import json
 from typing import Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from autotune.errors import ConfigError
+from autotune import __version__, fingerprint
+from autotune.errors import ConfigError, WorkloadError
 from autotune.probe import headroom_bytes
 from autotune.registry import RegisteredWorkload
 from autotune.results import SCHEMA_VERSION, ProbeResult
 from autotune.units import format_bytes
-from autotune.workload import OptionValue
+from autotune.workload import OptionValue, resolve
 
 
 class DeviceKey(BaseModel):
@@ -62,6 +75,10 @@ class ProbeKey(BaseModel):
 
     target: str
     options: dict[str, OptionValue]
+    # What the target builds, as the registry loaded it: the same name, target and options with an
+    # edited model must not find the old model's answer.
+    model_fingerprint: str = Field(description="The registered entry's model_fingerprint (module tree on meta).")
+    source_hash: str = Field(description="The registered entry's source_hash (the user's source files).")
     precision: str
     optimizer: str
     steps: int
@@ -97,7 +114,8 @@ def key_for_request(
 ) -> ProbeKey:
     """The key of a probe of `entry` on `device`, with the same arithmetic as the probe's
     `open_device`. For the budget device, `device.total_bytes` is its size (the request's memory
-    or AUTOTUNE_CPU_MEMORY) and `memory` is ignored. Raises ConfigError for an impossible budget."""
+    or AUTOTUNE_CPU_MEMORY) and `memory` is ignored. The entry's model fingerprint and source hash
+    go in as they were when the registry loaded. Raises ConfigError for an impossible budget."""
     limit: int | None
     free: FreeBudget | None = None
     if device.kind == "cpu-budget":
@@ -115,6 +133,8 @@ def key_for_request(
     return ProbeKey(
         target=entry.target,
         options=dict(entry.options),
+        model_fingerprint=entry.model_fingerprint,
+        source_hash=entry.source_hash,
         precision=precision or entry.precision,
         optimizer=(optimizer or entry.optimizer).lower(),
         steps=entry.steps if steps is None else steps,
@@ -136,9 +156,17 @@ def _headroom(size: int, headroom: float | int) -> int:
     return room
 
 
-def key_from_result(result: ProbeResult) -> ProbeKey | None:
-    """The key a result answers, from its own fields; None for a free-memory budget, whose limit
-    depended on what other processes held at the time."""
+def key_from_result(result: ProbeResult, entry: RegisteredWorkload) -> ProbeKey | None:
+    """The key a result published for `entry` answers: the result's own fields, with the entry's
+    model fingerprint and source hash, which a result does not carry. Check first that the result
+    was probed from the entry's model (`result_model_problems`); this only checks that it names
+    the entry's target and options (ValueError otherwise). None for a free-memory budget, whose
+    limit depended on what other processes held at the time."""
+    if result.workload.target != entry.target or dict(result.workload.options) != dict(entry.options):
+        raise ValueError(
+            f"the result is for {result.workload.target} {result.workload.options}, "
+            f"not for the registered {entry.name!r} ({entry.target} {entry.options})"
+        )
     if result.budget_policy == "free":
         return None
     device = DeviceKey(
@@ -149,6 +177,8 @@ def key_from_result(result: ProbeResult) -> ProbeKey | None:
     return ProbeKey(
         target=result.workload.target,
         options=dict(result.workload.options),
+        model_fingerprint=entry.model_fingerprint,
+        source_hash=entry.source_hash,
         precision=result.workload.precision,
         optimizer=result.workload.optimizer.lower(),
         steps=result.workload.steps,
@@ -159,3 +189,78 @@ def key_from_result(result: ProbeResult) -> ProbeKey | None:
         device=device,
         limit_bytes=result.limit_bytes,
     )
+
+
+Mismatch = tuple[tuple[str, ...], str]  # (where in the result, why)
+
+
+def result_model_problems(result: ProbeResult, entry: RegisteredWorkload) -> list[Mismatch]:
+    """Why `result` demonstrably was not probed from the model `entry` builds; empty when it was.
+
+    The rule for `POST /v1/results`: the registered workload is built again on the meta device and
+    the fingerprint its probe would have given is computed in the result's own environment (device,
+    limit, steps, cap, granularity, prefetch, torch and CUDA versions, allocator settings) with the
+    result's precision and optimizer. A result from a different model (a layer's width, a block, a
+    dtype), batch shape, input spec or optimizer options has another fingerprint and is refused,
+    naming `fingerprint`; `workload.input_spec` and `batch_norm`, which a result states outright,
+    are named first when they differ. What this cannot see: an edit of the code that leaves all of
+    those unchanged (a different forward, activation checkpointing). The key holds the source hash
+    for that, but a result carries no source hash (one computed in a training pod, with another
+    install layout, could not be compared), so such a result is accepted under the current key.
+
+    Builds the model on the meta device: call it off the event loop."""
+    try:
+        workload = resolve(entry.target, entry.options)
+        # As the probe did (`load_workload`): its result names the optimizer it ran, which differs
+        # from the workload's own only when the request named one (sgd, adam or adamw).
+        if result.workload.optimizer != workload.optimizer_name:
+            workload = workload.with_overrides(optimizer=result.workload.optimizer)
+    except WorkloadError as exc:
+        return [(("workload", "optimizer"), f"the registered workload {entry.name!r} cannot use it: {exc}")]
+    workload = workload.with_overrides(precision=result.workload.precision)
+    try:
+        model, batch = fingerprint.build_on_meta(workload)
+    except WorkloadError as exc:
+        return [(("workload",), f"the registered workload {entry.name!r} no longer builds: {exc}")]
+    problems: list[Mismatch] = []
+    registered_spec = dict(workload.input_spec)
+    if dict(result.workload.input_spec) != registered_spec:
+        problems.append(
+            (
+                ("workload", "input_spec"),
+                f"the result's batch was {result.workload.input_spec}; the registered workload {entry.name!r} "
+                f"makes {registered_spec}",
+            )
+        )
+    batch_norm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    if result.batch_norm != batch_norm:
+        has = "has" if batch_norm else "has no"
+        problems.append(
+            (
+                ("batch_norm",),
+                f"the registered workload {entry.name!r}'s model {has} BatchNorm; the result says otherwise",
+            )
+        )
+    expected = fingerprint.fingerprint_of(
+        workload, fingerprint.structure_of(model, batch), fingerprint.result_environment(result)
+    )
+    if result.fingerprint != expected:
+        skew = [
+            f"{what} {theirs} (this server: {ours})"
+            for what, theirs, ours in (
+                ("autotune", result.versions.autotune, __version__),
+                ("torch", result.versions.torch, torch.__version__),
+            )
+            if theirs != ours
+        ]
+        also = f"; or its fingerprint was taken differently, by {' and '.join(skew)}" if skew else ""
+        problems.append(
+            (
+                ("fingerprint",),
+                f"the registered workload {entry.name!r} gives fingerprint {expected[:16]}… in this result's own "
+                f"environment, not {result.fingerprint[:16]}…: the result was probed from a different model, batch "
+                f"or optimizer settings (was the model edited since?){also}. Probe the registered workload and "
+                "publish that result",
+            )
+        )
+    return problems

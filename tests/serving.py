@@ -51,7 +51,7 @@ def free_port() -> int:
 class Server:
     url: str
     process: subprocess.Popen[bytes]
-    db: Path
+    db: Path | str
     log: Path
     env: dict[str, str] = field(default_factory=dict)
 
@@ -103,10 +103,11 @@ def start_server(
     directory: Path,
     *,
     token: str | None = None,
-    db: Path | None = None,
+    db: Path | str | None = None,
     workloads: str = WORKLOADS_TOML,
     env: dict[str, str] | None = None,
     startup_timeout: float = 60.0,
+    workers: int = 1,
 ) -> Server:
     directory.mkdir(parents=True, exist_ok=True)
     workloads_file = directory / "workloads.toml"
@@ -129,7 +130,11 @@ def start_server(
     log = directory / f"server-{port}.log"
     with log.open("wb") as sink:
         process = subprocess.Popen(
-            [sys.executable, "-m", "autotune.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+            [
+                sys.executable,
+                *("-m", "autotune.cli", "serve", "--host", "127.0.0.1", "--port", str(port)),
+                *("--workers", str(workers)),
+            ],
             cwd=ROOT,
             env=child_env,
             stdout=sink,
@@ -201,14 +206,18 @@ def make_result(
     target: str = "mlp",
     options: dict[str, Any] | None = None,
     max_micro_batch: int = 12,
-    fingerprint: str = "ab" * 32,
+    fingerprint: str | None = None,
     total_bytes: int = 4 * 2**20,
     headroom_bytes: int = 209715,
     device_kind: str = "cpu-budget",
     device_name: str | None = None,
     **overrides: Any,
 ) -> ProbeResult:
-    """A result as a probe on the budget device would report it (its search's guarantees hold)."""
+    """A result as a probe on the budget device would report it (its search's guarantees hold).
+
+    Unless given, `fingerprint`, `workload.input_spec` and `batch_norm` are what a probe of the
+    target's code would report, so that `POST /v1/results` (which checks them against the
+    registered model) accepts it; a target that does not resolve gets "ab" * 32, {} and False."""
     trials = [
         TrialRecord(batch=b, fits=True, peak_allocated_bytes=b * 1000, peak_reserved_bytes=b * 1000, seconds=0.1)
         for b in (1, 2, 4, 8)
@@ -219,7 +228,7 @@ def make_result(
     # The answer is verified with accumulation, as a probe's is.
     trials = [t.model_copy(update={"micro_steps": 2}) for t in trials]
     document: dict[str, Any] = dict(
-        fingerprint=fingerprint,
+        fingerprint="ab" * 32,
         workload=WorkloadRef(
             target=target,
             options=options if options is not None else {"in_features": 64, "hidden": 64, "layers": 1, "classes": 10},
@@ -243,4 +252,29 @@ def make_result(
         versions=Versions(autotune="0.1.0", torch="2.13.0", cuda=None, python="3.11"),
     )
     document.update(overrides)
-    return ProbeResult(**document)
+    result = ProbeResult(**document)
+    import torch  # the rest builds the model on the meta device, as the service's check does
+
+    from autotune import fingerprint as fp
+    from autotune.errors import WorkloadError
+    from autotune.workload import resolve
+
+    try:
+        workload = resolve(result.workload.target, result.workload.options)
+        if result.workload.optimizer != workload.optimizer_name:
+            workload = workload.with_overrides(optimizer=result.workload.optimizer)
+        workload = workload.with_overrides(precision=result.workload.precision)
+        model, batch = fp.build_on_meta(workload)
+    except WorkloadError:
+        return result.model_copy(update={"fingerprint": fingerprint or "ab" * 32})
+    ref = result.workload
+    if "input_spec" not in ref.model_fields_set:
+        ref = ref.model_copy(update={"input_spec": dict(workload.input_spec)})
+    update: dict[str, Any] = {"workload": ref}
+    if "batch_norm" not in overrides:
+        update["batch_norm"] = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    result = result.model_copy(update=update)
+    if fingerprint is None:
+        environment = fp.result_environment(result)
+        fingerprint = fp.fingerprint_of(workload, fp.structure_of(model, batch), environment)
+    return result.model_copy(update={"fingerprint": fingerprint})

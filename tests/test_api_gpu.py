@@ -1,7 +1,7 @@
 """The service on a (simulated) GPU node: NVML through the stand-in module, probes through a fake
 runner, the app in-process over httpx's ASGI transport with its lifespan. There is no GPU on CI;
 what is tested is the service's side: device numbering, one probe at a time per GPU and GPUs in
-parallel, request keys for GPU models, and 503s.
+parallel, request keys for GPU models, and 404s for GPUs the node lacks.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from autotune.probe import ProbeRequest, headroom_bytes
 from autotune.results import DeviceInfo, LoopShape, ProbeResult, TrialRecord, Versions, WorkloadRef
 from autotune.settings import Settings
 from tests.nvml_standin import FakeGpu, FakeNvml
-from tests.serving import WORKLOADS_TOML
+from tests.serving import WORKLOADS_TOML, make_result
 
 GiB = 2**30
 H100 = "NVIDIA H100 80GB HBM3"
@@ -178,13 +178,15 @@ def test_the_same_request_for_two_gpus_of_one_model_shares_one_probe(tmp_path: P
     assert len(runner.calls) == 1
 
 
-def test_a_gpu_the_node_lacks_is_503(tmp_path: Path) -> None:
+def test_a_gpu_the_node_lacks_is_a_404_refusal(tmp_path: Path) -> None:
     async def body(client: httpx.AsyncClient) -> None:
         answer = await client.post("/v1/probes", json={"workload": "tiny", "device": "cuda:2"})
-        assert answer.status_code == 503
+        assert answer.status_code == 404
+        assert answer.json()["code"] == "no_such_device"
         assert "this node has 2 GPU(s)" in answer.json()["detail"]
         plan = await client.get("/v1/plan", params={"workload": "tiny", "effective_batch": 8, "device": "cuda:7"})
-        assert plan.status_code == 503
+        assert plan.status_code == 404
+        assert plan.json()["code"] == "no_such_device"
         too_much = await client.post("/v1/probes", json={"workload": "tiny", "memory": "100GiB"})
         assert too_much.status_code == 422
         assert "more than the device has" in too_much.json()["detail"]
@@ -194,24 +196,16 @@ def test_a_gpu_the_node_lacks_is_503(tmp_path: Path) -> None:
 
 def _published(name: str, total: int) -> dict[str, Any]:
     room = headroom_bytes(total, 0.05)
-    result = ProbeResult(
-        fingerprint="9" * 64,
-        workload=WorkloadRef(
-            target="mlp",
-            options={"in_features": 64, "hidden": 64, "layers": 1, "classes": 10},
-            precision="fp32",
-            optimizer="adamw",
-            steps=2,
-        ),
+    # Its fingerprint is the one a probe of tiny's model would report: POST /v1/results checks it.
+    result = make_result(
+        options={"in_features": 64, "hidden": 64, "layers": 1, "classes": 10},
+        total_bytes=total,
+        headroom_bytes=room,
         device=DeviceInfo(kind="cuda", name=name, index=0, uuid="GPU-elsewhere", total_bytes=total),
         budget_policy="total",
-        budget_bytes=total,
-        headroom_bytes=room,
-        limit_bytes=total - room,
         max_micro_batch=16,
         capped=True,
         max_batch_cap=16,
-        loop=LoopShape(micro_steps=2),
         trials=[TrialRecord(batch=b, fits=True, seconds=0.01, micro_steps=2) for b in (1, 2, 4, 8, 16)],
         versions=Versions(autotune="0.1.0", torch="2.13.0", cuda="13.0", python="3.12"),
     )

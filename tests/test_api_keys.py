@@ -9,7 +9,7 @@ import pytest
 
 from autotune.errors import ConfigError
 from autotune.probe import ProbeRequest, run_probe
-from autotune.probekey import DeviceKey, key_for_request, key_from_result
+from autotune.probekey import DeviceKey, key_for_request, key_from_result, result_model_problems
 from autotune.registry import Registry, UnknownWorkloadError, load_registry
 from tests.serving import WORKLOADS_TOML, make_result
 
@@ -44,10 +44,12 @@ def test_a_real_probe_result_has_the_key_its_request_had(registry: Registry) -> 
         granularity=key.granularity,
     )
     result = run_probe(request)
-    derived = key_from_result(result)
+    derived = key_from_result(result, entry)
     assert derived == key
     assert derived is not None
     assert derived.digest() == key.digest()
+    # The service can tell it was probed from the registered model: nothing to refuse.
+    assert result_model_problems(result, entry) == []
 
 
 def test_the_key_depends_on_the_limit_not_on_how_the_headroom_was_written(registry: Registry) -> None:
@@ -103,9 +105,12 @@ def test_impossible_budgets_are_config_errors(registry: Registry) -> None:
         key_for_request(entry, _cpu(), budget="total", memory=None, headroom=8 * MiB)
 
 
-def test_a_free_memory_result_answers_no_key() -> None:
-    assert key_from_result(make_result(budget_policy="free")) is None
-    assert key_from_result(make_result()) is not None
+def test_a_free_memory_result_answers_no_key(registry: Registry) -> None:
+    entry = registry.get("tiny")
+    assert key_from_result(make_result(budget_policy="free"), entry) is None
+    assert key_from_result(make_result(), entry) is not None
+    with pytest.raises(ValueError, match="not for the registered"):
+        key_from_result(make_result(), registry.get("mlp"))
 
 
 def test_the_registry_has_the_builtins_and_the_files_entries(registry: Registry) -> None:

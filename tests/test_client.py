@@ -145,6 +145,47 @@ def test_a_503_then_an_answer_is_retried() -> None:
         assert client.plan("tiny", 64).micro_batch == 16
 
 
+def test_a_device_the_node_lacks_is_a_refusal_not_an_outage(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_local(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("probed locally for a device the service's node does not have")
+
+    monkeypatch.setattr(AutotuneClient, "_local_plan", no_local)
+    requests: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        requests.append(request)
+        return httpx.Response(
+            404, json={"detail": "no device cuda:5: this node has 1 GPU(s)", "code": "no_such_device"}
+        )
+
+    sleeps: list[float] = []
+    with (
+        _client(handler, sleeps) as client,
+        pytest.raises(errors.NoSuchDeviceError, match="no device cuda:5") as info,
+    ):
+        client.plan("tiny", 64, device="cuda:5", fallback="local")
+    assert info.value.status_code == 404
+    assert not isinstance(info.value, errors.ServiceUnavailableError)
+    assert (len(requests), sleeps) == (1, [])  # at once: no retry
+
+
+def test_a_store_outage_is_retried_then_unavailable() -> None:
+    calls = 0
+
+    def handler(_request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        return httpx.Response(503, json={"detail": "the database does not answer", "code": "store_unavailable"})
+
+    sleeps: list[float] = []
+    with (
+        _client(handler, sleeps, retries=2) as client,
+        pytest.raises(errors.ServiceUnavailableError, match="does not answer"),
+    ):
+        client.plan("tiny", 64)
+    assert (calls, sleeps) == (3, [0.25, 0.5])
+
+
 def test_bad_arguments_fail_before_any_request() -> None:
     with pytest.raises(errors.ConfigError, match="http://"):
         AutotuneClient("autotune:8000")
@@ -205,6 +246,24 @@ def test_plan_against_a_real_server_waits_for_the_probe(server: Server) -> None:
         with pytest.raises(errors.ServiceError) as info:
             client.plan("unregistered", 64)
         assert info.value.status_code == 404
+
+
+def test_a_real_server_refuses_a_device_it_lacks_and_the_client_does_not_probe_locally(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import autotune.confirm
+
+    def no_probe(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("probed locally for a device the service's node does not have")
+
+    monkeypatch.setattr(autotune.confirm, "probe_and_confirm", no_probe)
+    sleeps: list[float] = []
+    with AutotuneClient(server.url, sleep=sleeps.append) as client:
+        with pytest.raises(errors.NoSuchDeviceError, match="no device cuda:5") as info:
+            client.plan("tiny", 64, device="cuda:5", memory="4MiB", timeout=60, fallback="local")
+        assert client.last_source is None
+    assert info.value.status_code == 404
+    assert sleeps == []  # refused at once, not retried as an outage
 
 
 def test_a_result_published_by_the_cli_answers_a_later_jobs_plan(server: Server) -> None:

@@ -1,27 +1,36 @@
 """The image without a Docker engine: hadolint on docker/Dockerfile, the Dockerfile's settings that
-matter on a GPU node, .dockerignore, compose.yaml, and the image's exact ENTRYPOINT + CMD and
-HEALTHCHECK commands run in this project's own environment."""
+matter on a GPU node, .dockerignore, compose.yaml with its PostgreSQL and its SQLite override, the
+image's exact ENTRYPOINT + CMD and HEALTHCHECK commands run in this project's own environment, and
+docker/publish_results.py (a SQLite store's results into a service)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
+import threading
 import time
 import tomllib
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib.metadata import version
 from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import pytest
 import yaml
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from tests import dockerfile
+from tests import dockerfile, pg_isready
 from tests.dockerfile import DOCKERFILE, ROOT
 
 VENV_BIN = Path(sys.executable).parent
@@ -127,22 +136,85 @@ def test_installs_the_server_extra_under_constraints() -> None:
             assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
 
 
-def test_constraints_pin_every_dependency_within_its_range() -> None:
+def _pins() -> dict[str, Version]:
     pins: dict[str, Version] = {}
     for line in (ROOT / "docker" / "constraints.txt").read_text().splitlines():
         if line.strip() and not line.startswith("#"):
             name, sep, version = line.partition("==")
             assert sep, f"constraints.txt: {line!r} is not name==version"
+            assert _norm(name) not in pins, f"constraints.txt pins {name} twice"
             pins[_norm(name)] = Version(version)
+    return pins
+
+
+def _needs(name: str, extras: frozenset[str]) -> list[Requirement]:
+    """What the installed distribution `name` requires with `extras`, on this Python and platform
+    (the image's: Linux, CPython 3.11)."""
+    try:
+        texts = importlib.metadata.requires(name) or []
+    except importlib.metadata.PackageNotFoundError:
+        pytest.fail(f"{name} is not installed here: pip install -e '.[server,dev]'")
+    needed = []
+    for text in texts:
+        req = Requirement(text)
+        if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in extras | {""}):
+            needed.append(req)
+    return needed
+
+
+def _closure(roots: list[Requirement], stop: frozenset[str] = frozenset()) -> dict[str, list[tuple[str, Requirement]]]:
+    """Every distribution that installing `roots` brings in, extras followed, each with the
+    requirements that name it and who asked ("" for the roots); nothing below `stop`."""
+    found: dict[str, list[tuple[str, Requirement]]] = {}
+    seen: set[tuple[str, frozenset[str]]] = set()
+    queue = [("", req) for req in roots]
+    while queue:
+        parent, req = queue.pop()
+        name = _norm(req.name)
+        if name in stop:
+            continue
+        found.setdefault(name, []).append((parent, req))
+        extras = frozenset(req.extras)
+        if (name, extras) not in seen:
+            seen.add((name, extras))
+            queue += [(name, sub) for sub in _needs(req.name, extras)]
+    return found
+
+
+def test_constraints_pin_exactly_what_the_server_extra_installs() -> None:
+    pins = _pins()
     assert "torch" not in pins, "the base image's CUDA torch must be kept"
     assert "numpy" not in pins
+    # What the base image already has (torch, numpy and what they pull in) stays as it is.
+    base = frozenset(_closure([Requirement("torch"), Requirement("numpy")]))
     project = PYPROJECT["project"]
-    wanted = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["server"]]
-    for req in wanted:
-        if req.name in ("torch", "numpy"):
-            continue
-        assert _norm(req.name) in pins, f"{req.name} is not pinned in docker/constraints.txt"
-        assert pins[_norm(req.name)] in req.specifier, f"{req.name}=={pins[_norm(req.name)]} is outside {req}"
+    roots = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["server"]]
+    wanted = _closure(roots, stop=base)
+    # Every package pip installs on top of the base is pinned (psycopg[binary]'s psycopg-binary,
+    # alembic's mako, ...), and nothing else: a stale pin would hide a dependency that went away.
+    assert set(wanted) == set(pins), (
+        f"not pinned: {sorted(set(wanted) - set(pins))}; pinned but not needed: {sorted(set(pins) - set(wanted))}"
+    )
+    for name, asked in wanted.items():
+        for parent, req in asked:
+            # A package's own requirements are known here for the version installed here: check
+            # them where that is the pinned one (psycopg pins psycopg-binary to its own version).
+            if parent and version(parent) != str(pins[parent]):
+                continue
+            who = parent or "pyproject.toml"
+            assert req.specifier.contains(pins[name], prereleases=True), (
+                f"{name}=={pins[name]} is outside {who}'s {req}"
+            )
+
+
+def test_the_closure_follows_extras_and_stops_at_the_base() -> None:
+    # The check above is only as good as this walk: psycopg[binary] must bring psycopg-binary,
+    # plain psycopg must not, and nothing of torch's may be asked to be pinned.
+    with_binary = _closure([Requirement("psycopg[binary]")])
+    assert "psycopg-binary" in with_binary
+    assert "psycopg-binary" not in _closure([Requirement("psycopg")])
+    assert "mako" in _closure([Requirement("alembic")])
+    assert "typing-extensions" not in _closure([Requirement("alembic")], stop=frozenset({"typing-extensions"}))
 
 
 def _norm(name: str) -> str:
@@ -203,6 +275,156 @@ def test_dockerignore_sends_only_what_the_image_needs() -> None:
 
 
 # --- compose.yaml -------------------------------------------------------------------------------
+
+
+COMPOSE = ROOT / "docker" / "compose.yaml"
+COMPOSE_SQLITE = ROOT / "docker" / "compose.sqlite.yaml"
+_RESET = object()  # Compose's `!reset`: drop what the files before this one set
+
+
+class _ComposeLoader(yaml.SafeLoader):
+    """YAML as Compose reads it, `!reset` included."""
+
+
+_ComposeLoader.add_constructor("!reset", lambda _loader, _node: _RESET)
+_VARIABLE = re.compile(r"\$\$|\$\{(\w+)(?:(:?[-?])([^}]*))?\}|\$(\w+)")
+
+
+def _interpolate(value: object, env: dict[str, str]) -> object:
+    """Compose's interpolation of `${NAME}`, `${NAME:-default}`, `${NAME:?error}` and `$$` (a
+    literal `$`, left for the container's shell) in every string value."""
+    if isinstance(value, dict):
+        return {k: _interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def substitute(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name, op, arg = match.group(1) or match.group(4), match.group(2), match.group(3)
+        found = env.get(name)
+        if op in (":-", ":?") and not found:
+            found = None
+        if found is not None:
+            return found
+        if op and op.endswith("?"):
+            raise AssertionError(f"compose would refuse to start: {name} is unset ({arg})")
+        return arg if op else ""
+
+    return _VARIABLE.sub(substitute, value)
+
+
+def _merge(base: object, override: object) -> object:
+    """Compose's merge of an override file, for what these files use: mappings merge key by key,
+    scalars replace, `!reset` removes. Lists are merged by rules of their own: not supported."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        merged = dict(base)
+        for key, value in override.items():
+            if value is _RESET:
+                merged.pop(key, None)
+            elif key in merged:
+                assert not isinstance(value, list), f"{key}: list merging is not modelled here"
+                merged[key] = _merge(merged[key], value)
+            else:
+                merged[key] = value
+        return merged
+    return override
+
+
+def _compose(*files: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The project `docker compose -f ... config` would show, with `env` as docker/.env."""
+    merged: object = {}
+    for path in files:
+        merged = _merge(merged, yaml.load(path.read_text(), Loader=_ComposeLoader))
+    result = _interpolate(merged, env or {})
+    assert isinstance(result, dict)
+    return result
+
+
+def _postgres_data_dir(image: str) -> str:
+    """Where the official image keeps its data: 18 moved it under /var/lib/postgresql/18/docker
+    and made /var/lib/postgresql the volume; a mount at .../data would miss it."""
+    match = re.fullmatch(r"postgres:(\d+)(?:\.\d+)*(?:-[a-z0-9]+)?", image)
+    assert match, f"expected the official postgres image pinned to a major version, got {image}"
+    return "/var/lib/postgresql" if int(match.group(1)) >= 18 else "/var/lib/postgresql/data"
+
+
+def test_compose_runs_postgres_healthy_private_and_on_a_volume() -> None:
+    compose = _compose(COMPOSE)
+    postgres = compose["services"]["postgres"]
+    check = postgres["healthcheck"]
+    assert check["test"][0] in ("CMD", "CMD-SHELL")
+    assert "pg_isready" in " ".join(check["test"][1:])
+    assert {"interval", "timeout", "retries"} <= set(check)
+    volume, _, target = next(v for v in postgres["volumes"] if v.startswith("postgres-")).partition(":")
+    assert target == _postgres_data_dir(postgres["image"])
+    assert volume in compose["volumes"], "the database is a named volume"
+    assert "ports" not in postgres, "the database is reachable from this project's containers only"
+    raw = yaml.load(COMPOSE.read_text(), Loader=_ComposeLoader)["services"]["postgres"]["environment"]
+    assert raw["POSTGRES_PASSWORD"].startswith("${POSTGRES_PASSWORD"), "the password comes from docker/.env"
+
+
+def test_compose_healthcheck_is_a_command_pg_isready_accepts() -> None:
+    postgres = _compose(COMPOSE)["services"]["postgres"]
+    kind, *command = postgres["healthcheck"]["test"]
+    argv = ["sh", "-c", command[0]] if kind == "CMD-SHELL" else command
+    # The user and database are the container's (`$$` in the file), not blanks from the host.
+    assert "${POSTGRES_USER}" in " ".join(argv) or f"={postgres['environment']['POSTGRES_USER']}" in " ".join(argv)
+    result = pg_isready.run_against_nothing(argv, env=postgres["environment"])
+    assert result.returncode == pg_isready.NO_RESPONSE, result.stdout + result.stderr
+    # Over TCP: the socket-only server the image runs while it initializes must not count.
+    assert result.stdout.startswith("127.0.0.1:"), result.stdout
+    # ...and a command pg_isready does not accept is told apart.
+    bad = pg_isready.run_against_nothing(["pg_isready", "--no-such-option"])
+    assert bad.returncode not in (0, pg_isready.NO_RESPONSE)
+
+
+@pytest.mark.parametrize("env", [{}, {"POSTGRES_USER": "tuner", "POSTGRES_PASSWORD": "0f3a9c", "POSTGRES_DB": "plans"}])
+def test_compose_service_waits_for_a_healthy_postgres_and_stores_there(env: dict[str, str]) -> None:
+    compose = _compose(COMPOSE, env=env)
+    service = compose["services"]["autotune"]
+    assert service["depends_on"]["postgres"]["condition"] == "service_healthy"
+    url = urlsplit(service["environment"]["AUTOTUNE_DB"])
+    assert url.scheme in ("postgresql", "postgresql+psycopg")
+    from autotune.store.engine import database_url  # how the server reads it
+
+    assert database_url(service["environment"]["AUTOTUNE_DB"]).get_backend_name() == "postgresql"
+    assert url.hostname in compose["services"]
+    assert url.hostname == "postgres"
+    assert (url.port or 5432) == 5432  # the image's port
+    # The same credentials on both sides, whatever docker/.env sets.
+    postgres = compose["services"]["postgres"]["environment"]
+    assert url.username == postgres["POSTGRES_USER"]
+    assert unquote(url.password or "") == postgres["POSTGRES_PASSWORD"]
+    assert url.path == "/" + postgres["POSTGRES_DB"]
+    for name, value in env.items():
+        assert postgres[name] == value
+    # Jobs belong to a node by name: not the container's random host name.
+    assert service["environment"]["AUTOTUNE_NODE"]
+
+
+def test_compose_sqlite_override_runs_without_postgres() -> None:
+    compose = _compose(COMPOSE, COMPOSE_SQLITE)
+    service = compose["services"]["autotune"]
+    assert "depends_on" not in service
+    assert service["environment"]["AUTOTUNE_DB"] == dockerfile.env()["AUTOTUNE_DB"]
+    store = str(Path(dockerfile.env()["AUTOTUNE_DB"]).parent)
+    assert any(v.endswith(":" + store) for v in service["volumes"])
+    assert not service.get("profiles")
+    assert compose["services"]["postgres"]["profiles"], "postgres starts only when its profile is asked for"
+
+
+def test_compose_variables_file_stays_out_of_git_and_images() -> None:
+    result = _run(["git", "check-ignore", "--quiet", "--no-index", "docker/.env"], cwd=ROOT)
+    assert result.returncode == 0, "docker/.env (POSTGRES_PASSWORD) must be ignored by git"
+    patterns = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert _ignored("docker/.env", patterns)
 
 
 def test_compose_reserves_nvidia_gpus_and_keeps_the_store() -> None:
@@ -336,3 +558,141 @@ def test_one_shot_probe_through_the_entrypoint(tmp_path: Path) -> None:
     doc = json.loads(result.stdout)
     assert doc["max_micro_batch"] == 2
     assert doc["capped"] is True
+
+
+# --- docker/publish_results.py: a SQLite store's results into a service -------------------------
+
+PUBLISH = ROOT / "docker" / "publish_results.py"
+# The results table as autotune wrote it before PostgreSQL (schema 1); the current schema is
+# created from autotune.store.schema itself.
+_SCHEMA_1 = """CREATE TABLE results (fingerprint TEXT PRIMARY KEY, document TEXT NOT NULL,
+    source TEXT NOT NULL, stored_at TEXT NOT NULL)"""
+
+
+@dataclass
+class _Service:
+    url: str
+    received: list[tuple[str, dict[str, str], bytes]] = field(default_factory=list)
+    refuse: dict[str, int] = field(default_factory=dict)  # fingerprint -> status
+    token: str | None = None
+
+
+@pytest.fixture
+def service() -> Iterator[_Service]:
+    """A stand-in for POST /v1/results that records what it was sent."""
+    state = _Service(url="")
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            state.received.append((self.path, dict(self.headers), body))
+            status, detail = 201, "stored"
+            if state.token is not None and self.headers.get("Authorization") != f"Bearer {state.token}":
+                status, detail = 401, "missing bearer token"
+            elif json.loads(body)["fingerprint"] in state.refuse:
+                status, detail = state.refuse[json.loads(body)["fingerprint"]], "no registered workload"
+            payload = json.dumps({"detail": detail}).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    state.url = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield state
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def _store(path: Path, schema: str, rows: list[tuple[str, str]]) -> list[str]:
+    """A SQLite store with `rows` (fingerprint, stored_at); returns their documents, oldest first."""
+    if schema == "1":
+        with sqlite3.connect(path) as db:
+            db.execute(_SCHEMA_1)
+    else:
+        from sqlalchemy import create_engine
+
+        from autotune.store.schema import metadata
+
+        engine = create_engine(f"sqlite:///{path}")
+        metadata.create_all(engine)
+        engine.dispose()
+    documents = {}
+    with sqlite3.connect(path) as db:
+        for fingerprint, stored_at in rows:
+            documents[stored_at] = json.dumps({"fingerprint": fingerprint, "workload": {"target": "gpt"}})
+            db.execute(
+                "INSERT INTO results (fingerprint, document, source, stored_at) VALUES (?, ?, 'probe', ?)",
+                (fingerprint, documents[stored_at], stored_at),
+            )
+    db.close()
+    return [documents[k] for k in sorted(documents)]
+
+
+def _publish(db: Path, url: str, token: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "AUTOTUNE_TOKEN"}
+    if token is not None:
+        env["AUTOTUNE_TOKEN"] = token
+    return _run([sys.executable, str(PUBLISH), str(db), url], env=env, timeout=60)
+
+
+@pytest.mark.parametrize("schema", ["1", "current"])
+def test_publish_results_sends_every_stored_result_oldest_first(tmp_path: Path, service: _Service, schema: str) -> None:
+    rows = [
+        ("b" * 64, "2026-03-02T00:00:00+00:00"),
+        ("a" * 64, "2026-01-05T00:00:00+00:00"),
+        ("c" * 64, "2026-02-01T00:00:00+00:00"),
+    ]
+    documents = _store(tmp_path / "autotune.db", schema, rows)
+    result = _publish(tmp_path / "autotune.db", service.url + "/", token="s3cret")
+    assert result.returncode == 0, result.stderr
+    assert "published 3 of 3" in result.stdout
+    assert [body.decode() for _, _, body in service.received] == documents  # as stored, oldest first
+    for path, headers, _ in service.received:
+        assert path == "/v1/results"
+        assert headers["Authorization"] == "Bearer s3cret"
+        assert headers["Content-Type"] == "application/json"
+
+
+def test_publish_results_reports_a_refused_result_and_goes_on(tmp_path: Path, service: _Service) -> None:
+    _store(
+        tmp_path / "autotune.db", "1", [("a" * 64, "2026-01-01"), ("b" * 64, "2026-01-02"), ("c" * 64, "2026-01-03")]
+    )
+    service.refuse["b" * 64] = 404
+    result = _publish(tmp_path / "autotune.db", service.url)
+    assert result.returncode == 1
+    assert len(service.received) == 3
+    assert "published 2 of 3" in result.stdout
+    assert "b" * 16 in result.stderr
+    assert "no registered workload" in result.stderr
+    assert "Authorization" not in service.received[0][1], "no token: no header"
+
+
+def test_publish_results_stops_at_a_refused_token(tmp_path: Path, service: _Service) -> None:
+    _store(tmp_path / "autotune.db", "1", [("a" * 64, "2026-01-01"), ("b" * 64, "2026-01-02")])
+    service.token = "right"
+    result = _publish(tmp_path / "autotune.db", service.url, token="wrong")
+    assert result.returncode == 2
+    assert len(service.received) == 1
+    assert "AUTOTUNE_TOKEN" in result.stderr
+
+
+def test_publish_results_without_a_store_or_a_service(tmp_path: Path, service: _Service) -> None:
+    missing = tmp_path / "autotune.db"
+    result = _publish(missing, service.url)
+    assert result.returncode == 2
+    assert not missing.exists(), "reading a store must not create an empty one"
+    assert service.received == []
+    _store(missing, "1", [("a" * 64, "2026-01-01")])
+    result = _publish(missing, f"http://127.0.0.1:{_free_port()}")
+    assert result.returncode == 2
+    assert "cannot reach" in result.stderr

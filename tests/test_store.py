@@ -1,27 +1,36 @@
-"""The SQLite store: results by fingerprint and request key, jobs with trials, recovery."""
+"""The store, on SQLite and on a real PostgreSQL server: results by fingerprint and request key,
+jobs with trials, one active job per key, device leases, recovery from a dead worker, migrations
+from a schema-1 file, and the files it must refuse."""
 
 from __future__ import annotations
 
 import sqlite3
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from autotune.errors import QueueFullError
 from autotune.results import TrialRecord
 from autotune.store import INTERRUPTED, JobError, JobRecord, Store, StoreError, now
 from tests.serving import make_result
 
+ROOT = Path(__file__).resolve().parents[1]
 
-def _job(job_id: str, key: str = "k1", status: str = "queued") -> JobRecord:
+
+def _job(job_id: str, key: str = "k1", node: str = "n1", device: str = "cpu") -> JobRecord:
     return JobRecord(
         id=job_id,
         request_key=key,
         workload="tiny",
-        device="cpu",
+        device=device,
+        node=node,
         request={"target": "mlp"},
-        status=status,  # type: ignore[arg-type]
+        status="queued",
         created_at=now(),
     )
 
@@ -31,14 +40,16 @@ def _trial(batch: int, fits: bool = True) -> TrialRecord:
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    opened = Store(tmp_path / "a.db")
+def store(database: str) -> Iterator[Store]:
+    opened = Store(database)
     yield opened
     opened.close()
 
 
-def test_the_file_uses_wal_journaling(store: Store) -> None:
-    other = sqlite3.connect(store.path)
+def test_a_sqlite_file_uses_wal_journaling(tmp_path: Path) -> None:
+    store = Store(tmp_path / "a.db")
+    store.close()
+    other = sqlite3.connect(tmp_path / "a.db")
     try:
         assert other.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     finally:
@@ -53,14 +64,18 @@ def test_a_result_round_trips_by_fingerprint_and_by_request_key(store: Store) ->
     assert got.result == result
     assert got.source == "published"
     assert {k: v.result.fingerprint for k, v in store.results_by_key().items()} == {"key-a": "1" * 64}
+    found = store.result_for_key("key-a")
+    assert found is not None
+    assert found.result == result
+    assert store.key_index() == {"key-a": "1" * 64}
     assert store.get_result("2" * 64) is None
+    assert store.result_for_key("key-b") is None
 
 
 def test_the_latest_result_for_a_key_wins_and_the_older_one_stays_stored(store: Store) -> None:
     store.put_result(make_result(fingerprint="1" * 64, max_micro_batch=7), "key-a", source="probe")
     store.put_result(make_result(fingerprint="2" * 64, max_micro_batch=9), "key-a", source="published")
-    by_key = store.results_by_key()
-    assert by_key["key-a"].result.max_micro_batch == 9
+    assert store.results_by_key()["key-a"].result.max_micro_batch == 9
     assert store.count_results() == 2
     assert store.get_result("1" * 64) is not None
 
@@ -71,96 +86,247 @@ def test_a_result_without_a_key_is_stored_but_answers_no_key(store: Store) -> No
     assert store.results_by_key() == {}
 
 
-def test_a_job_keeps_its_trials_in_order_and_its_outcome(store: Store) -> None:
-    store.create_job(_job("j1"))
-    store.mark_running("j1", now())
+def test_a_job_runs_under_a_lease_keeps_its_trials_and_its_outcome(store: Store) -> None:
+    created = store.submit(_job("a" * 32))
+    assert created.created
+    again = store.submit(_job("b" * 32))  # same key: the active job, not a second one
+    assert not again.created
+    assert again.job is not None
+    assert again.job.id == "a" * 32
+
+    job = store.claim("n1", "cpu", "owner-1", 30)
+    assert job is not None
+    assert (job.id, job.status) == ("a" * 32, "running")
+    assert job.started_at is not None
     for seq, batch in enumerate((1, 2, 4), 1):
-        store.add_trial("j1", seq, _trial(batch))
-    running = store.get_job("j1")
+        store.add_trial(job.id, seq, _trial(batch))
+    running = store.get_job(job.id)
     assert running is not None
-    assert running.status == "running"
-    assert running.started_at is not None
     assert [t.batch for t in running.trials] == [1, 2, 4]
 
-    result = make_result(fingerprint="4" * 64)
-    store.put_result(result, "k1", source="probe", job_id="j1")
-    done = store.get_job("j1")
+    store.finish(job, make_result(fingerprint="4" * 64), "owner-1")
+    done = store.get_job(job.id)
     assert done is not None
     assert (done.status, done.fingerprint) == ("succeeded", "4" * 64)
-    assert done.finished_at is not None
+    assert store.result_for_key("k1") is not None
+    # Finished: the next submit for the key finds the stored result when asked to.
+    stored = store.submit(_job("c" * 32), use_stored=True)
+    assert stored.stored is not None
+    assert stored.job is None
 
-    store.create_job(_job("j2"))
-    store.fail_job("j2", JobError(type="NothingFitsError", message="batch 1 needs 2 GiB"))
-    failed = store.get_job("j2")
+    store.submit(_job("d" * 32, key="k2"))
+    failed_job = store.claim("n1", "cpu", "owner-1", 30)
+    assert failed_job is not None
+    store.fail(failed_job, JobError(type="NothingFitsError", message="batch 1 needs 2 GiB"), owner="owner-1")
+    failed = store.get_job("d" * 32)
     assert failed is not None
-    assert failed.status == "failed"
     assert failed.error == JobError(type="NothingFitsError", message="batch 1 needs 2 GiB")
+    # A deterministic failure is remembered for a while; others are not.
+    remembered = store.submit(_job("e" * 32, key="k2"), failure_memory=60, remembered=frozenset({"NothingFitsError"}))
+    assert remembered.job is not None
+    assert (remembered.created, remembered.job.id) == (False, "d" * 32)
+    assert store.submit(_job("f" * 32, key="k2"), failure_memory=60, remembered=frozenset({"X"})).created
     assert store.get_job("nope") is None
 
 
-def test_reopening_marks_queued_and_running_jobs_interrupted_and_keeps_everything_else(
-    tmp_path: Path, request: pytest.FixtureRequest
-) -> None:
-    path = tmp_path / "a.db"
-    first = Store(path)
-    first.put_result(make_result(fingerprint="5" * 64), "k1", source="probe")
-    for job_id, status in (("queued", "queued"), ("running", "running"), ("done", "queued")):
-        first.create_job(_job(job_id, key=job_id))
-        if status == "running":
-            first.mark_running(job_id, now())
-            first.add_trial(job_id, 1, _trial(1))
-    first.put_result(make_result(fingerprint="6" * 64), "done", source="probe", job_id="done")
-    first.close()  # as if the server had died: nothing else was written
-
-    second = Store(path)
-    request.addfinalizer(second.close)
-    assert sorted(second.interrupted) == ["queued", "running"]
-    for job_id in ("queued", "running"):
-        job = second.get_job(job_id)
-        assert job is not None
-        assert job.status == "failed"
-        assert job.error is not None
-        assert job.error.type == INTERRUPTED
-        assert "ask for it again" in job.error.message
-    running = second.get_job("running")
-    assert running is not None
-    assert len(running.trials) == 1  # the trials before the crash are kept
-    done = second.get_job("done")
-    assert done is not None
-    assert done.status == "succeeded"
-    assert set(second.results_by_key()) == {"k1", "done"}
-    assert second.count_jobs("failed") == 2
+def test_one_probe_per_device_whoever_asks_and_the_device_is_free_again_after(store: Store) -> None:
+    store.submit(_job("a" * 32, key="k1"))
+    store.submit(_job("b" * 32, key="k2"))
+    store.submit(_job("c" * 32, key="k3", device="cuda:0"))
+    first = store.claim("n1", "cpu", "owner-1", 30)
+    assert first is not None
+    assert store.claim("n1", "cpu", "owner-2", 30) is None  # the device is leased
+    other = store.claim("n1", "cuda:0", "owner-2", 30)  # another device is not
+    assert other is not None
+    assert store.claim("n2", "cpu", "owner-3", 30) is None  # another node has no jobs
+    assert store.heartbeat(first.id, "n1", "cpu", "owner-1", 30)
+    assert not store.heartbeat(first.id, "n1", "cpu", "owner-2", 30)
+    store.finish(first, make_result(fingerprint="1" * 64), "owner-1")
+    second = store.claim("n1", "cpu", "owner-2", 30)
+    assert second is not None
+    assert second.id == "b" * 32
+    assert store.active_jobs("n1") == {"cpu": 1, "cuda:0": 1}
 
 
-def test_a_store_opened_without_recovery_leaves_jobs_alone(tmp_path: Path) -> None:
-    path = tmp_path / "a.db"
-    first = Store(path)
-    first.create_job(_job("j1"))
-    first.close()
-    second = Store(path, recover=False)
-    assert second.interrupted == []
-    job = second.get_job("j1")
-    second.close()
+def test_a_silent_worker_loses_its_device_and_its_job_fails_as_interrupted(store: Store) -> None:
+    store.submit(_job("a" * 32, key="k1"))
+    store.submit(_job("b" * 32, key="k2"))
+    job = store.claim("n1", "cpu", "elsewhere:1:x", 0.2)  # a worker on another host
     assert job is not None
-    assert job.status == "queued"
+    store.add_trial(job.id, 1, _trial(1))
+    assert store.claim("n1", "cpu", "owner-2", 30) is None
+    time.sleep(0.3)  # no heartbeat for longer than its lease
+    taken = store.claim("n1", "cpu", "owner-2", 0.2)
+    assert taken is not None
+    assert taken.id == "b" * 32
+    dead = store.get_job(job.id)
+    assert dead is not None
+    assert dead.status == "failed"
+    assert dead.error is not None
+    assert dead.error.type == INTERRUPTED
+    assert len(dead.trials) == 1  # what it reported is kept
+
+
+def test_a_dead_process_on_this_host_loses_its_job_at_once(store: Store) -> None:
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    import socket
+
+    owner = f"{socket.gethostname()}:{int(gone.stdout)}:dead"
+    store.submit(_job("a" * 32))
+    job = store.claim("n1", "cpu", owner, 3600)
+    assert job is not None
+    assert store.sweep("n1", 3600) == [job.id]  # its lease has an hour left, but its process is gone
+    swept = store.get_job(job.id)
+    assert swept is not None
+    assert swept.status == "failed"
+
+
+def test_a_device_queue_is_bounded(store: Store) -> None:
+    for n in range(3):
+        store.submit(_job(f"{n:032d}", key=f"k{n}"), max_queue=3)
+    with pytest.raises(QueueFullError, match="AUTOTUNE_MAX_QUEUE=3") as raised:
+        store.submit(_job("9" * 32, key="k9"), max_queue=3)
+    assert raised.value.retry_after > 0
+    # Another device's queue, or a key already queued, is not refused.
+    assert store.submit(_job("8" * 32, key="k8", device="cuda:0"), max_queue=3).created
+    assert not store.submit(_job("7" * 32, key="k0"), max_queue=3).created
+
+
+def test_concurrent_submits_of_one_key_from_many_threads_create_one_job(database: str) -> None:
+    stores = [Store(database) for _ in range(2)]  # two pools: as two processes would
+    made: list[str] = []
+    failures: list[BaseException] = []
+
+    def ask(n: int) -> None:
+        try:
+            submitted = stores[n % 2].submit(_job(f"{n:032x}", key="same"))
+            assert submitted.job is not None
+            made.append(submitted.job.id)
+        except BaseException as exc:  # noqa: BLE001 - collected and asserted below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=ask, args=(n,)) for n in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    for opened in stores:
+        opened.close()
+    assert failures == []
+    assert len(made) == 16
+    assert len(set(made)) == 1
+
+
+def test_a_stored_document_that_no_longer_validates_is_skipped(tmp_path: Path) -> None:
+    store = Store(tmp_path / "a.db")
+    store.put_result(make_result(fingerprint="7" * 64), "good", source="probe")
+    store.put_result(make_result(fingerprint="8" * 64), "bad", source="probe")
+    raw = sqlite3.connect(tmp_path / "a.db")
+    raw.execute("UPDATE results SET document='{\"schema_version\": 1}' WHERE fingerprint=?", ("8" * 64,))
+    raw.commit()
+    raw.close()
+    assert set(store.results_by_key()) == {"good"}
+    assert store.get_result("8" * 64) is None
+    store.close()
+
+
+# Files and migrations --------------------------------------------------------------------------
+def test_a_schema_1_file_is_migrated_with_its_results_kept(tmp_path: Path) -> None:
+    # The file an earlier autotune wrote: its tables, a result, and a job it was running.
+    path = tmp_path / "old.db"
+    db = sqlite3.connect(path)
+    db.executescript(SCHEMA_1)
+    document = make_result(fingerprint="5" * 64).model_dump_json()
+    db.execute("INSERT INTO results VALUES (?, ?, 'probe', ?)", ("5" * 64, document, now().isoformat()))
+    db.execute("INSERT INTO result_keys VALUES ('k1', ?, ?)", ("5" * 64, now().isoformat()))
+    db.execute(
+        "INSERT INTO jobs(id, request_key, workload, device, request, status, created_at) "
+        "VALUES ('old', 'k2', 'tiny', 'cpu', '{}', 'running', ?)",
+        (now().isoformat(),),
+    )
+    db.execute("PRAGMA user_version=1")
+    db.commit()
+    db.close()
+
+    store = Store(path)
+    try:
+        assert set(store.results_by_key()) == {"k1"}
+        old = store.get_job("old")
+        assert old is not None
+        assert old.status == "failed"  # its server kept it in memory and is gone
+        assert old.error is not None
+        assert old.error.type == INTERRUPTED
+        assert store.submit(_job("a" * 32, key="k2")).created  # and it can be asked for again
+    finally:
+        store.close()
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 2
+
+
+def test_the_migrations_build_exactly_the_declared_schema(store: Store) -> None:
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    from autotune.store.schema import metadata
+
+    with store._engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), metadata) == []
+
+
+def test_opening_twice_migrates_once_and_keeps_everything(database: str) -> None:
+    first = Store(database)
+    first.put_result(make_result(fingerprint="6" * 64), "k1", source="probe")
+    first.submit(_job("a" * 32))
+    first.close()
+    second = Store(database)
+    try:
+        assert set(second.results_by_key()) == {"k1"}
+        queued = second.get_job("a" * 32)
+        assert queued is not None
+        assert queued.status == "queued"  # not this store's to judge: a worker of its node takes it
+    finally:
+        second.close()
 
 
 def test_a_database_from_a_newer_autotune_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "a.db"
     Store(path).close()
     db = sqlite3.connect(path)
-    db.execute("PRAGMA user_version=99")
+    db.execute("UPDATE alembic_version SET version_num='9999'")
     db.commit()
     db.close()
-    with pytest.raises(StoreError, match="newer than this autotune"):  # and the connection is closed
+    with pytest.raises(StoreError, match="newer than this autotune"):
         Store(path)
 
 
-def test_a_file_that_is_not_a_database_is_refused(tmp_path: Path) -> None:
+def test_a_file_that_is_not_a_database_is_refused_with_how_to_recover(tmp_path: Path) -> None:
     path = tmp_path / "a.db"
     path.write_bytes(b"this is not sqlite" * 100)
-    with pytest.raises(StoreError, match="is it an autotune database"):
+    with pytest.raises(StoreError, match=r"is damaged .*restore it from a backup, or move it aside"):
         Store(path)
+
+
+def test_a_damaged_database_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "a.db"
+    store = Store(path)
+    for n in range(200):
+        store.put_result(make_result(fingerprint=f"{n:064x}"), f"k{n}", source="probe")
+    store.close()
+    _checkpoint(path)
+    data = bytearray(path.read_bytes())
+    page = 4096
+    for offset in range(2 * page, len(data) - page, page):  # every page but the header page
+        data[offset : offset + 64] = b"\xa5" * 64
+    path.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match=f"the database {path} is damaged"):
+        Store(path)
+
+
+def test_an_empty_file_that_already_exists_is_refused_not_treated_as_empty(tmp_path: Path) -> None:
+    path = tmp_path / "a.db"
+    path.touch()
+    with pytest.raises(StoreError, match=r"empty file \(0 bytes\).*restore it from a backup, or delete it"):
+        Store(path)
+    assert path.stat().st_size == 0  # left as found
 
 
 def test_a_missing_directory_is_refused_with_the_path(tmp_path: Path) -> None:
@@ -168,49 +334,55 @@ def test_a_missing_directory_is_refused_with_the_path(tmp_path: Path) -> None:
         Store(tmp_path / "missing" / "a.db")
 
 
-def test_a_stored_document_that_no_longer_validates_is_skipped(store: Store) -> None:
-    store.put_result(make_result(fingerprint="7" * 64), "good", source="probe")
-    store.put_result(make_result(fingerprint="8" * 64), "bad", source="probe")
-    raw = sqlite3.connect(store.path)
-    raw.execute("UPDATE results SET document='{\"schema_version\": 1}' WHERE fingerprint=?", ("8" * 64,))
-    raw.commit()
-    raw.close()
-    assert set(store.results_by_key()) == {"good"}
-    assert store.get_result("8" * 64) is None
+def test_an_unreachable_postgresql_is_one_clear_error() -> None:
+    with pytest.raises(StoreError, match=r"cannot open the database postgresql\+psycopg://u:\*\*\*@127.0.0.1:1/x"):
+        Store("postgresql://u:secret@127.0.0.1:1/x")
 
 
-def test_workers_and_the_event_loop_can_write_at_once(store: Store) -> None:
-    for n in range(4):
-        store.create_job(_job(f"j{n}", key=f"k{n}"))
-    failures: list[BaseException] = []
-
-    def write(job_id: str) -> None:
-        try:
-            for seq in range(1, 51):
-                store.add_trial(job_id, seq, _trial(seq))
-        except BaseException as exc:  # noqa: BLE001 - collected and asserted below
-            failures.append(exc)
-
-    threads = [threading.Thread(target=write, args=(f"j{n}",)) for n in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
-    assert failures == []
-    for n in range(4):
-        job = store.get_job(f"j{n}")
-        assert job is not None
-        assert [t.batch for t in job.trials] == list(range(1, 51))
+def test_an_unsupported_url_names_the_variable() -> None:
+    with pytest.raises(StoreError, match="AUTOTUNE_DB"):
+        Store("mysql://u@h/db")
 
 
-def test_a_failed_commit_does_not_leave_the_store_inside_a_transaction(store: Store) -> None:
-    # A deferred foreign key makes COMMIT itself fail, as a full disk would.
-    def orphan_trial() -> None:
-        with store._transaction() as db:
-            db.execute("PRAGMA defer_foreign_keys=ON")
-            db.execute("INSERT INTO trials(job_id, seq, document) VALUES ('no-such-job', 1, '{}')")
+def _checkpoint(path: Path) -> None:
+    db = sqlite3.connect(path)
+    db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    db.close()
 
-    with pytest.raises(StoreError, match="FOREIGN KEY"):
-        orphan_trial()
-    store.create_job(_job("j1"))
-    assert store.count_jobs() == 1
+
+# What the schema-1 store (autotune 0.1's autotune/store.py) executed, verbatim: the migration is
+# tested against the real thing.
+SCHEMA_1 = """
+CREATE TABLE IF NOT EXISTS results (
+    fingerprint TEXT PRIMARY KEY,
+    document    TEXT NOT NULL,
+    source      TEXT NOT NULL,
+    stored_at   TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS result_keys (
+    request_key TEXT PRIMARY KEY,
+    fingerprint TEXT NOT NULL REFERENCES results(fingerprint),
+    stored_at   TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS jobs (
+    id            TEXT PRIMARY KEY,
+    request_key   TEXT NOT NULL,
+    workload      TEXT NOT NULL,
+    device        TEXT NOT NULL,
+    request       TEXT NOT NULL,
+    status        TEXT NOT NULL,
+    created_at    TEXT NOT NULL,
+    started_at    TEXT,
+    finished_at   TEXT,
+    fingerprint   TEXT,
+    error_type    TEXT,
+    error_message TEXT
+);
+CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs(status);
+CREATE TABLE IF NOT EXISTS trials (
+    job_id   TEXT NOT NULL REFERENCES jobs(id),
+    seq      INTEGER NOT NULL,
+    document TEXT NOT NULL,
+    PRIMARY KEY (job_id, seq)
+);
+"""

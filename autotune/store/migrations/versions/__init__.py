@@ -1,0 +1,1 @@
+"""One module a schema revision, applied in order by Alembic."""

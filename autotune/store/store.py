@@ -1,0 +1,576 @@
+"""The service's persistent state: probe results and probe jobs, in SQLite or PostgreSQL.
+
+Results are never deleted by the service; a restart keeps every one. Everything that decides
+what runs lives here, not in a process's memory, so any number of workers and nodes can share
+one database:
+
+- `submit` creates a job unless the request key already has a stored result (when asked), a
+  recent deterministic failure (when asked) or a queued/running job; the partial unique index on
+  active jobs makes the last rule hold between processes, and the per-device queue is bounded.
+- `claim` gives a worker the oldest queued job of a (node, device) only while it holds that
+  device's lease: one probe per device whoever runs it. The worker renews the lease and the job's
+  heartbeat (`heartbeat`); `sweep` fails a running job whose worker went silent for a lease
+  period, or at once when its worker was on this host and its process is gone.
+- `finish` stores a job's result, maps its request key and releases the lease in one transaction:
+  at every moment a reader finds the job active or its result stored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, ValidationError
+from sqlalchemy import Connection, and_, delete, func, insert, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+
+from autotune.errors import QueueFullError, StoreError
+from autotune.results import ProbeResult, TrialRecord
+from autotune.store import engine as engines
+from autotune.store.schema import device_leases, jobs, nodes, result_keys, results, trials
+
+log = logging.getLogger(__name__)
+
+JobStatus = Literal["queued", "running", "succeeded", "failed"]
+ACTIVE: tuple[JobStatus, ...] = ("queued", "running")
+INTERRUPTED = "Interrupted"
+QUEUE_RETRY_AFTER = 30  # seconds a client told 429 waits: probes take tens of seconds to minutes
+
+
+class JobError(BaseModel):
+    """Why a job failed: our exception's class name and its message."""
+
+    type: str
+    message: str
+
+
+class JobRecord(BaseModel):
+    """A probe job as stored."""
+
+    id: str
+    request_key: str
+    workload: str = Field(description="The registered workload's name.")
+    device: str = Field(description="cpu or cuda:N, as the request resolved it.")
+    node: str = Field(default="", description="The node whose device runs the job.")
+    request: dict[str, Any] = Field(description="The ProbeRequest the job runs.")
+    status: JobStatus
+    created_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    fingerprint: str | None = None
+    error: JobError | None = None
+    trials: list[TrialRecord] = Field(default_factory=list)
+
+
+class StoredResult(BaseModel):
+    """A result with where it came from: a job of this service or a POST from elsewhere."""
+
+    result: ProbeResult
+    source: Literal["probe", "published"]
+    stored_at: datetime
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """What `submit` found or made: a stored result, or a job (new when `created`)."""
+
+    job: JobRecord | None
+    created: bool
+    stored: StoredResult | None = None
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+def worker_id() -> str:
+    """This process, as a lease owner: host, pid and a nonce (pids are reused)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{os.urandom(4).hex()}"
+
+
+def owner_is_gone(owner: str | None) -> bool:
+    """Whether a lease owner is known dead: a process of this host that no longer exists. An
+    owner on another host is never judged here; its lease expires instead."""
+    if not owner:
+        return True
+    host, _, rest = owner.partition(":")
+    pid_text = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid_text.isdigit():
+        return False
+    try:
+        os.kill(int(pid_text), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # exists, owned by someone else
+        return False
+    return False
+
+
+class Store:
+    """The store behind one AUTOTUNE_DB (a SQLite path or a postgresql:// URL). Opening it checks
+    the database, migrates its schema and keeps a connection pool; `close` releases it."""
+
+    def __init__(self, db: str | Path, *, migrate: bool = True) -> None:
+        self.url = engines.database_url(db)
+        self.name = engines.describe(self.url)
+        self.path: Path | None = Path(str(self.url.database)) if self.url.get_backend_name() == "sqlite" else None
+        self.backend = self.url.get_backend_name()
+        self._engine = engines.create(self.url)
+        try:
+            if migrate:
+                engines.migrate(self._engine)
+        except BaseException:
+            self._engine.dispose()
+            raise
+
+    # Plumbing ----------------------------------------------------------------------------------
+    @contextmanager
+    def _write(self) -> Iterator[Connection]:
+        try:
+            with self._engine.connect() as conn:
+                conn.execution_options(immediate=True)
+                with conn.begin():
+                    yield conn
+        except IntegrityError as exc:
+            raise _Conflict(f"database {self.name}: {engines.reason(exc)}") from None
+        except SQLAlchemyError as exc:
+            raise StoreError(f"database {self.name}: {engines.reason(exc)}") from None
+
+    @contextmanager
+    def _read(self) -> Iterator[Connection]:
+        try:
+            with self._engine.connect() as conn:
+                yield conn
+        except SQLAlchemyError as exc:
+            raise StoreError(f"database {self.name}: {engines.reason(exc)}") from None
+
+    def _upsert(self, conn: Connection, table: Any, values: dict[str, Any], keys: Sequence[str]) -> None:
+        dialect: Any = postgresql if self.backend == "postgresql" else sqlite
+        statement = dialect.insert(table).values(**values)
+        changed = {name: statement.excluded[name] for name in values if name not in keys}
+        conn.execute(statement.on_conflict_do_update(index_elements=list(keys), set_=changed))
+
+    def ping(self) -> bool:
+        """Whether the database answers a trivial query."""
+        try:
+            with self._read() as conn:
+                conn.execute(select(1)).scalar()
+        except StoreError:
+            return False
+        return True
+
+    def touch_node(self, node: str) -> None:
+        """A small write (this node's last-seen time): readiness says whether writes succeed.
+        Raises StoreError."""
+        with self._write() as conn:
+            self._upsert(conn, nodes, {"node": node, "seen_at": time.time()}, ["node"])
+
+    def close(self) -> None:
+        self._engine.dispose()
+
+    # Results ---------------------------------------------------------------------------------
+    def put_result(
+        self,
+        result: ProbeResult,
+        request_key: str | None,
+        *,
+        source: Literal["probe", "published"],
+        job_id: str | None = None,
+    ) -> StoredResult:
+        """Store `result` by fingerprint (replacing one with the same fingerprint), map
+        `request_key` to it, and mark `job_id` succeeded, in one transaction."""
+        stored_at = now()
+        with self._write() as conn:
+            self._put(conn, result, request_key, source, stored_at)
+            if job_id is not None:
+                conn.execute(
+                    update(jobs)
+                    .where(jobs.c.id == job_id)
+                    .values(status="succeeded", finished_at=stored_at.isoformat(), fingerprint=result.fingerprint)
+                )
+        return StoredResult(result=result, source=source, stored_at=stored_at)
+
+    def _put(self, conn: Connection, result: ProbeResult, key: str | None, source: str, stored_at: datetime) -> None:
+        document = {
+            "fingerprint": result.fingerprint,
+            "document": result.model_dump_json(),
+            "source": source,
+            "stored_at": stored_at.isoformat(),
+        }
+        self._upsert(conn, results, document, ["fingerprint"])
+        if key is not None:
+            mapping = {"request_key": key, "fingerprint": result.fingerprint, "stored_at": stored_at.isoformat()}
+            self._upsert(conn, result_keys, mapping, ["request_key"])
+
+    def get_result(self, fingerprint: str) -> StoredResult | None:
+        with self._read() as conn:
+            row = conn.execute(
+                select(results.c.document, results.c.source, results.c.stored_at).where(
+                    results.c.fingerprint == fingerprint
+                )
+            ).first()
+        return None if row is None else _stored(fingerprint, *row)
+
+    def result_for_key(self, request_key: str) -> StoredResult | None:
+        """The result that answers `request_key`, or None."""
+        with self._read() as conn:
+            row = conn.execute(_by_key().where(result_keys.c.request_key == request_key)).first()
+        return None if row is None else _stored(*row[1:])
+
+    def results_by_key(self) -> dict[str, StoredResult]:
+        """Every request key with the result that answers it: what a server loads at start-up."""
+        with self._read() as conn:
+            rows = conn.execute(_by_key()).all()
+        found: dict[str, StoredResult] = {}
+        for key, *rest in rows:
+            stored = _stored(*rest)
+            if stored is not None:
+                found[key] = stored
+        return found
+
+    def key_index(self) -> dict[str, str]:
+        """Request key -> fingerprint (small rows): how a server learns of results stored elsewhere."""
+        with self._read() as conn:
+            return {
+                str(k): str(f) for k, f in conn.execute(select(result_keys.c.request_key, result_keys.c.fingerprint))
+            }
+
+    def count_results(self) -> int:
+        with self._read() as conn:
+            return int(conn.execute(select(func.count()).select_from(results)).scalar() or 0)
+
+    # Jobs ------------------------------------------------------------------------------------
+    def create_job(self, job: JobRecord) -> None:
+        with self._write() as conn:
+            conn.execute(insert(jobs).values(**_job_row(job)))
+
+    def submit(
+        self,
+        job: JobRecord,
+        *,
+        max_queue: int | None = None,
+        use_stored: bool = False,
+        failure_memory: float | None = None,
+        remembered: frozenset[str] = frozenset(),
+    ) -> Submitted:
+        """The stored result (with `use_stored`), a failure of a type in `remembered` finished in
+        the last `failure_memory` seconds, the active job for `job.request_key`, or `job` created
+        now. Raises QueueFullError when its (node, device) already has `max_queue` queued jobs."""
+        for _attempt in range(3):
+            try:
+                return self._submit(job, max_queue, use_stored, failure_memory, remembered)
+            except _LostRace:
+                continue  # another process created the job between our look and our insert
+        raise StoreError(f"database {self.name}: could not create or find the job for {job.request_key}")
+
+    def _submit(
+        self,
+        job: JobRecord,
+        max_queue: int | None,
+        use_stored: bool,
+        failure_memory: float | None,
+        remembered: frozenset[str],
+    ) -> Submitted:
+        try:
+            with self._write() as conn:
+                if use_stored:
+                    row = conn.execute(_by_key().where(result_keys.c.request_key == job.request_key)).first()
+                    stored = None if row is None else _stored(*row[1:])
+                    if stored is not None:
+                        return Submitted(job=None, created=False, stored=stored)
+                active = conn.execute(
+                    select(jobs.c.id).where(jobs.c.request_key == job.request_key, jobs.c.status.in_(ACTIVE))
+                ).scalar()
+                if active is not None:
+                    found = self._job(conn, active)
+                    assert found is not None
+                    return Submitted(job=found, created=False)
+                if failure_memory is not None and remembered:
+                    failed = self._recent_failure(conn, job.request_key, failure_memory, remembered)
+                    if failed is not None:
+                        return Submitted(job=failed, created=False)
+                if max_queue is not None:
+                    waiting = conn.execute(
+                        select(func.count())
+                        .select_from(jobs)
+                        .where(jobs.c.node == job.node, jobs.c.device == job.device, jobs.c.status == "queued")
+                    ).scalar()
+                    if (waiting or 0) >= max_queue:
+                        raise QueueFullError(
+                            f"device {job.device} on node {job.node} already has {waiting} probes waiting "
+                            f"(AUTOTUNE_MAX_QUEUE={max_queue}): ask again later",
+                            retry_after=QUEUE_RETRY_AFTER,
+                        )
+                conn.execute(insert(jobs).values(**_job_row(job)))
+        except _Conflict:
+            raise _LostRace from None
+        return Submitted(job=job, created=True)
+
+    def _recent_failure(self, conn: Connection, key: str, seconds: float, types: frozenset[str]) -> JobRecord | None:
+        row = conn.execute(
+            select(jobs.c.id, jobs.c.error_type, jobs.c.finished_at)
+            .where(jobs.c.request_key == key, jobs.c.status == "failed")
+            .order_by(jobs.c.created_at.desc())
+            .limit(1)
+        ).first()
+        if row is None or row.error_type not in types or not row.finished_at:
+            return None
+        if (now() - datetime.fromisoformat(row.finished_at)).total_seconds() > seconds:
+            return None
+        return self._job(conn, row.id)
+
+    def claim(self, node: str, device: str, owner: str, lease_seconds: float) -> JobRecord | None:
+        """The oldest queued job of (node, device), now running for `owner`, if `owner` can take
+        the device's lease (free, expired, held by a dead process, or its own). Else None."""
+        moment = time.time()
+        with self._write() as conn:
+            holder = conn.execute(
+                select(device_leases.c.owner, device_leases.c.expires).where(
+                    device_leases.c.node == node, device_leases.c.device == device
+                )
+            ).first()
+            if holder is None:
+                try:
+                    with conn.begin_nested():
+                        conn.execute(
+                            insert(device_leases).values(
+                                node=node, device=device, owner=owner, expires=moment + lease_seconds
+                            )
+                        )
+                except IntegrityError:
+                    return None  # another worker took it just now
+            elif holder.owner == owner or holder.expires < moment or owner_is_gone(holder.owner):
+                taken = conn.execute(
+                    update(device_leases)
+                    .where(
+                        device_leases.c.node == node,
+                        device_leases.c.device == device,
+                        device_leases.c.owner == holder.owner,
+                    )
+                    .values(owner=owner, expires=moment + lease_seconds)
+                )
+                if taken.rowcount != 1:
+                    return None
+            else:
+                return None
+            self._sweep(conn, node, device, lease_seconds, moment)
+            job_id = conn.execute(
+                select(jobs.c.id)
+                .where(jobs.c.node == node, jobs.c.device == device, jobs.c.status == "queued")
+                .order_by(jobs.c.created_at)
+                .limit(1)
+            ).scalar()
+            if job_id is None:
+                conn.execute(
+                    delete(device_leases).where(device_leases.c.node == node, device_leases.c.device == device)
+                )
+                return None
+            conn.execute(
+                update(jobs)
+                .where(jobs.c.id == job_id)
+                .values(status="running", started_at=now().isoformat(), owner=owner, heartbeat=moment)
+            )
+            return self._job(conn, job_id)
+
+    def heartbeat(self, job_id: str, node: str, device: str, owner: str, lease_seconds: float) -> bool:
+        """Renew the device lease and the job's heartbeat; False if this owner lost the lease."""
+        moment = time.time()
+        with self._write() as conn:
+            kept = conn.execute(
+                update(device_leases)
+                .where(device_leases.c.node == node, device_leases.c.device == device, device_leases.c.owner == owner)
+                .values(expires=moment + lease_seconds)
+            ).rowcount
+            conn.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.owner == owner).values(heartbeat=moment))
+        return kept == 1
+
+    def finish(self, job: JobRecord, result: ProbeResult, owner: str) -> StoredResult:
+        """Store the job's result, mark it succeeded and release its device, in one transaction."""
+        stored_at = now()
+        with self._write() as conn:
+            self._put(conn, result, job.request_key, "probe", stored_at)
+            conn.execute(
+                update(jobs)
+                .where(jobs.c.id == job.id)
+                .values(status="succeeded", finished_at=stored_at.isoformat(), fingerprint=result.fingerprint)
+            )
+            self._release(conn, job.node, job.device, owner)
+        return StoredResult(result=result, source="probe", stored_at=stored_at)
+
+    def fail(
+        self, job: JobRecord, error: JobError, owner: str | None = None, finished_at: datetime | None = None
+    ) -> None:
+        """Mark the job failed (and release its device when `owner` ran it)."""
+        with self._write() as conn:
+            conn.execute(
+                update(jobs)
+                .where(jobs.c.id == job.id)
+                .values(
+                    status="failed",
+                    finished_at=(finished_at or now()).isoformat(),
+                    error_type=error.type,
+                    error_message=error.message,
+                )
+            )
+            if owner is not None:
+                self._release(conn, job.node, job.device, owner)
+
+    def fail_job(self, job_id: str, error: JobError, finished_at: datetime | None = None) -> None:
+        job = self.get_job(job_id)
+        if job is not None:
+            self.fail(job, error, finished_at=finished_at)
+
+    def release(self, node: str, device: str, owner: str) -> None:
+        with self._write() as conn:
+            self._release(conn, node, device, owner)
+
+    @staticmethod
+    def _release(conn: Connection, node: str, device: str, owner: str) -> None:
+        conn.execute(
+            delete(device_leases).where(
+                device_leases.c.node == node, device_leases.c.device == device, device_leases.c.owner == owner
+            )
+        )
+
+    def sweep(self, node: str, lease_seconds: float) -> list[str]:
+        """Fail the running jobs of `node` whose worker is gone; their ids."""
+        with self._write() as conn:
+            return self._sweep(conn, node, None, lease_seconds, time.time())
+
+    def _sweep(self, conn: Connection, node: str, device: str | None, lease_seconds: float, moment: float) -> list[str]:
+        where = [jobs.c.node == node, jobs.c.status == "running"]
+        if device is not None:
+            where.append(jobs.c.device == device)
+        rows = conn.execute(select(jobs.c.id, jobs.c.owner, jobs.c.heartbeat).where(and_(*where))).all()
+        dead = [
+            row.id
+            for row in rows
+            if row.heartbeat is None or row.heartbeat < moment - lease_seconds or owner_is_gone(row.owner)
+        ]
+        if dead:
+            conn.execute(
+                update(jobs)
+                .where(jobs.c.id.in_(dead), jobs.c.status == "running")
+                .values(
+                    status="failed",
+                    finished_at=now().isoformat(),
+                    error_type=INTERRUPTED,
+                    error_message="interrupted: the server stopped while this probe was running; "
+                    "ask for it again (POST /v1/probes) to run it",
+                )
+            )
+            log.warning("marked %d interrupted probe job(s) failed", len(dead))
+        return dead
+
+    def add_trial(self, job_id: str, seq: int, trial: TrialRecord) -> None:
+        with self._write() as conn:
+            self._upsert(
+                conn, trials, {"job_id": job_id, "seq": seq, "document": trial.model_dump_json()}, ["job_id", "seq"]
+            )
+
+    def get_job(self, job_id: str) -> JobRecord | None:
+        with self._read() as conn:
+            return self._job(conn, job_id)
+
+    def job_statuses(self, job_ids: Sequence[str]) -> dict[str, str]:
+        if not job_ids:
+            return {}
+        with self._read() as conn:
+            rows = conn.execute(select(jobs.c.id, jobs.c.status).where(jobs.c.id.in_(list(job_ids))))
+            return {str(i): str(s) for i, s in rows}
+
+    def active_jobs(self, node: str) -> dict[str, int]:
+        """Queued and running jobs of a node, by device."""
+        with self._read() as conn:
+            rows = conn.execute(
+                select(jobs.c.device, func.count())
+                .where(jobs.c.node == node, jobs.c.status.in_(ACTIVE))
+                .group_by(jobs.c.device)
+            )
+            return {str(d): int(n) for d, n in rows}
+
+    def count_jobs(self, status: JobStatus | None = None) -> int:
+        with self._read() as conn:
+            query = select(func.count()).select_from(jobs)
+            if status is not None:
+                query = query.where(jobs.c.status == status)
+            return int(conn.execute(query).scalar() or 0)
+
+    def outcomes(self) -> dict[str, int]:
+        """Finished jobs by outcome (error type, or None for success), across every node."""
+        with self._read() as conn:
+            rows = conn.execute(
+                select(jobs.c.status, jobs.c.error_type, func.count())
+                .where(jobs.c.status.in_(("succeeded", "failed")))
+                .group_by(jobs.c.status, jobs.c.error_type)
+            )
+            return {("" if status == "succeeded" else str(error)): int(n) for status, error, n in rows}
+
+    @staticmethod
+    def _job(conn: Connection, job_id: str) -> JobRecord | None:
+        row = conn.execute(select(jobs).where(jobs.c.id == job_id)).first()
+        if row is None:
+            return None
+        documents = conn.execute(select(trials.c.document).where(trials.c.job_id == job_id).order_by(trials.c.seq))
+        return JobRecord(
+            id=row.id,
+            request_key=row.request_key,
+            workload=row.workload,
+            device=row.device,
+            node=row.node or "",
+            request=json.loads(row.request),
+            status=row.status,
+            created_at=datetime.fromisoformat(row.created_at),
+            started_at=datetime.fromisoformat(row.started_at) if row.started_at else None,
+            finished_at=datetime.fromisoformat(row.finished_at) if row.finished_at else None,
+            fingerprint=row.fingerprint,
+            error=JobError(type=row.error_type, message=row.error_message or "") if row.error_type else None,
+            trials=[TrialRecord.model_validate_json(d) for (d,) in documents],
+        )
+
+
+class _Conflict(StoreError):
+    """A write broke a uniqueness rule."""
+
+
+class _LostRace(Exception):
+    """Two processes inserted the same active request key; the loser looks again."""
+
+
+def _by_key() -> Any:
+    return select(
+        result_keys.c.request_key, results.c.fingerprint, results.c.document, results.c.source, results.c.stored_at
+    ).join(results, results.c.fingerprint == result_keys.c.fingerprint)
+
+
+def _job_row(job: JobRecord) -> dict[str, Any]:
+    return {
+        "id": job.id,
+        "request_key": job.request_key,
+        "workload": job.workload,
+        "device": job.device,
+        "node": job.node,
+        "request": json.dumps(job.request, sort_keys=True),
+        "status": job.status,
+        "created_at": job.created_at.isoformat(),
+    }
+
+
+def _stored(fingerprint: str, document: str, source: str, stored_at: str) -> StoredResult | None:
+    try:
+        result = ProbeResult.model_validate_json(document)
+    except ValidationError as exc:
+        # A document an older or newer autotune wrote: skip it rather than refuse to start.
+        log.warning("skipping stored result %s: it no longer validates (%d errors)", fingerprint, exc.error_count())
+        return None
+    return StoredResult(result=result, source=source, stored_at=datetime.fromisoformat(stored_at))  # type: ignore[arg-type]

@@ -1,0 +1,54 @@
+"""A schemathesis check for tests/test_api_contract.py, loaded by the schemathesis CLI as its
+hooks module (`hooks = "tests.contract_checks"`).
+
+`positive_data_acceptance` expects a schema-valid request to be accepted (or refused as 401, 403,
+404, 409, 429 or 5xx). Four operations have rules that no JSON Schema can state: headroom against
+memory, memory against the device (or AUTOTUNE_MAX_CPU_MEMORY), an effective batch against the
+world size and the stored answer, and a published result's fields against each other and against
+the registered workload. A schema-valid request that breaks one of them is a 422 whose `detail` is
+a message (or, for a published result, entries with no `input`: the rule, not a field). The test
+allows 422 in `positive_data_acceptance` for those four operations only, and this check takes its
+place there, stricter: a schema-valid request must never be refused because a field failed
+validation. Such a refusal would mean that the document and the server disagree about a value
+(the failure the check exists to find), so it fails the run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import schemathesis
+
+
+def _field_errors(detail: Any) -> list[Any]:
+    """The entries of a 422 that fault a field's value (not a rule across fields)."""
+    if isinstance(detail, str):
+        return []  # a ConfigError: a rule the schema cannot state
+    if not isinstance(detail, list):
+        return [detail]
+    return [
+        entry
+        for entry in detail
+        if not (
+            isinstance(entry, dict)
+            and entry.get("type") == "value_error"
+            and entry.get("input") is None
+            and not str(entry.get("msg", "")).startswith("Value error")  # pydantic's wording for a field
+        )
+    ]
+
+
+@schemathesis.check
+def schema_valid_is_field_valid(ctx: Any, response: Any, case: Any) -> bool | None:
+    """A schema-valid request refused with 422 breaks a rule the schema cannot state, never a field."""
+    meta = case.meta
+    if meta is None or not meta.generation.mode.is_positive or response.status_code != 422:
+        return None
+    try:
+        body = response.json()
+    except ValueError:
+        raise AssertionError("a 422 without a JSON body") from None
+    faulted = _field_errors(body.get("detail") if isinstance(body, dict) else body)
+    if faulted:
+        raise AssertionError(f"a schema-valid request was refused for the value of a field: {faulted}")
+    return None
