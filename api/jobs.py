@@ -154,6 +154,7 @@ class ProbeManager:
             use_stored=use_stored,
             failure_memory=FAILURE_MEMORY_SECONDS if remember else None,
             remembered=DETERMINISTIC,
+            lease_seconds=self._lease,
         )
         if submitted.created and device in self._wakeups:
             self._wakeups[device].set()

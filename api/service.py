@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -89,6 +90,7 @@ class Service:
         )
         self._resolved: OrderedDict[tuple[Any, ...], Resolved] = OrderedDict()
         self.writable: str | None = None  # why the last write failed, until one succeeds
+        self.check_writable()  # this node is seen from now on (and readiness knows whether writes work)
         self.interrupted = self.jobs.start()
         self._closing = threading.Event()
         self._refresher = threading.Thread(target=self._refresh, name="autotune-results-refresh", daemon=True)
@@ -124,7 +126,11 @@ class Service:
 
     def _refresh(self) -> None:
         # Learn of results stored elsewhere that replace cached ones (or answer new keys).
+        last_seen = 0.0
         while not self._closing.wait(self.settings.cache_ttl):
+            # This node is alive: other nodes leave the jobs queued for it alone.
+            if time.monotonic() - last_seen > self.settings.lease_seconds / 3 and self.check_writable() is None:
+                last_seen = time.monotonic()
             try:
                 index = self.store.key_index()
                 for key, fingerprint in index.items():

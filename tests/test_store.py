@@ -181,6 +181,31 @@ def test_a_dead_process_on_this_host_loses_its_job_at_once(store: Store) -> None
     assert swept.status == "failed"
 
 
+def test_a_job_no_one_will_finish_gives_way_to_a_new_one(store: Store) -> None:
+    # Running on another host whose worker went silent: another node asking makes a new job.
+    store.submit(_job("a" * 32, key="k1", node="n1"))
+    assert store.claim("n1", "cpu", "elsewhere:1:x", 0.2) is not None
+    time.sleep(0.3)
+    again = store.submit(_job("b" * 32, key="k1", node="n2"), lease_seconds=0.2)
+    assert again.created
+    old = store.get_job("a" * 32)
+    assert old is not None
+    assert old.error is not None
+    assert (old.status, old.error.type) == ("failed", INTERRUPTED)
+
+    # Queued for a node no server of which has been seen for three leases.
+    store.touch_node("n3")
+    store.submit(_job("c" * 32, key="k2", node="n3"))
+    assert not store.submit(_job("d" * 32, key="k2", node="n2"), lease_seconds=30).created  # n3 is alive
+    time.sleep(0.7)
+    moved = store.submit(_job("e" * 32, key="k2", node="n2"), lease_seconds=0.2)
+    assert moved.created
+    stranded = store.get_job("c" * 32)
+    assert stranded is not None
+    assert stranded.error is not None
+    assert "node n3" in stranded.error.message
+
+
 def test_a_device_queue_is_bounded(store: Store) -> None:
     for n in range(3):
         store.submit(_job(f"{n:032d}", key=f"k{n}"), max_queue=3)

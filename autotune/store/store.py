@@ -262,13 +262,14 @@ class Store:
         use_stored: bool = False,
         failure_memory: float | None = None,
         remembered: frozenset[str] = frozenset(),
+        lease_seconds: float = 30.0,
     ) -> Submitted:
         """The stored result (with `use_stored`), a failure of a type in `remembered` finished in
         the last `failure_memory` seconds, the active job for `job.request_key`, or `job` created
         now. Raises QueueFullError when its (node, device) already has `max_queue` queued jobs."""
         for _attempt in range(3):
             try:
-                return self._submit(job, max_queue, use_stored, failure_memory, remembered)
+                return self._submit(job, max_queue, use_stored, failure_memory, remembered, lease_seconds)
             except _LostRace:
                 continue  # another process created the job between our look and our insert
         raise StoreError(f"database {self.name}: could not create or find the job for {job.request_key}")
@@ -280,6 +281,7 @@ class Store:
         use_stored: bool,
         failure_memory: float | None,
         remembered: frozenset[str],
+        lease_seconds: float,
     ) -> Submitted:
         try:
             with self._write() as conn:
@@ -289,10 +291,12 @@ class Store:
                     if stored is not None:
                         return Submitted(job=None, created=False, stored=stored)
                 active = conn.execute(
-                    select(jobs.c.id).where(jobs.c.request_key == job.request_key, jobs.c.status.in_(ACTIVE))
-                ).scalar()
-                if active is not None:
-                    found = self._job(conn, active)
+                    select(jobs.c.id, jobs.c.node, jobs.c.status, jobs.c.owner, jobs.c.heartbeat).where(
+                        jobs.c.request_key == job.request_key, jobs.c.status.in_(ACTIVE)
+                    )
+                ).first()
+                if active is not None and not self._abandon(conn, active, lease_seconds):
+                    found = self._job(conn, active.id)
                     assert found is not None
                     return Submitted(job=found, created=False)
                 if failure_memory is not None and remembered:
@@ -315,6 +319,33 @@ class Store:
         except _Conflict:
             raise _LostRace from None
         return Submitted(job=job, created=True)
+
+    def _abandon(self, conn: Connection, active: Any, lease_seconds: float) -> bool:
+        """Fail an active job nobody will finish, so that a new one can be made: running with a
+        silent worker, or queued on a node none of whose servers has been seen for three leases
+        (only that node's workers could run it). True if it was failed."""
+        moment = time.time()
+        if active.status == "running":
+            gone = active.heartbeat is None or active.heartbeat < moment - lease_seconds or owner_is_gone(active.owner)
+            why = "the worker running it stopped"
+        else:
+            seen = conn.execute(select(nodes.c.seen_at).where(nodes.c.node == active.node)).scalar()
+            gone = seen is not None and seen < moment - 3 * lease_seconds
+            why = f"node {active.node}, whose device it was queued for, stopped answering"
+        if not gone:
+            return False
+        conn.execute(
+            update(jobs)
+            .where(jobs.c.id == active.id, jobs.c.status == active.status)
+            .values(
+                status="failed",
+                finished_at=now().isoformat(),
+                error_type=INTERRUPTED,
+                error_message=f"interrupted: {why}; ask for it again (POST /v1/probes) to run it",
+            )
+        )
+        log.warning("probe job %s abandoned: %s", active.id, why)
+        return True
 
     def _recent_failure(self, conn: Connection, key: str, seconds: float, types: frozenset[str]) -> JobRecord | None:
         row = conn.execute(
