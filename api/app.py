@@ -9,11 +9,14 @@ one PostgreSQL): jobs, leases and results live in the database.
 from __future__ import annotations
 
 import gc
+import logging
+import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
+from starlette.routing import Route
 
 from api import errors, ops, v1
 from api.jobs import Runner
@@ -38,6 +41,9 @@ def create_app(
     """The app. `inventory` replaces the NVML inventory reader and `runner` the isolated probe
     (tests: there is no GPU on CI)."""
     settings = settings or get_settings()
+    level = os.environ.get("AUTOTUNE_LOG_LEVEL")
+    if level and not logging.getLogger().handlers:  # a worker of `serve --workers N`
+        logging.basicConfig(level=level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -63,6 +69,8 @@ def create_app(
     app.state.token = token_bytes(settings.token)
     app.state.service = None
     errors.install(app)
-    app.include_router(v1.router)  # first: plan queries are most of the traffic
+    # The plan query, most of the traffic, first and on its fast path (`v1.plan_route`).
+    app.router.routes.insert(0, Route("/v1/plan", v1.plan_route, methods=["GET"], include_in_schema=False))
+    app.include_router(v1.router)
     app.include_router(ops.router)
     return app

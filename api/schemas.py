@@ -36,14 +36,18 @@ DEVICE_PATTERN = r"^(cpu|cuda|cuda:[0-9]{1,3})$"
 JOB_ID_PATTERN = r"^[0-9a-f]{32}$"
 FINGERPRINT_PATTERN = r"^[0-9a-f]{64}$"
 
-# A size as a string: a positive number (no leading zero, so never less than one byte; write
-# 512MiB rather than 0.5GiB) with an optional unit, as `autotune.units.parse_size` reads it.
+# A size as a string, as `autotune.units.parse_size` reads it, and never less than one byte: a
+# number from 1 (no leading zero) with an optional unit ("128MiB", "3.5GiB", "80GB", "134217728"),
+# or a number below 1 with a unit large enough ("0.5GiB", "0.25MB", "0.5KiB": its first nonzero
+# digit within as many decimals as the unit has thousands).
 _NUMBER = r"[1-9][0-9]{0,15}(\.[0-9]{1,6})?"
 _UNIT = r"([KkMmGgTt]([Ii]?[Bb])?|[Bb])"
-SIZE_PATTERN = rf"^{_NUMBER} ?{_UNIT}?$"
+_BELOW_ONE = r"0\.0{0,5}[1-9][0-9]{0,5} ?[MmGgTt]([Ii]?[Bb])?|0\.0{0,2}[1-9][0-9]{0,5} ?[Kk]([Ii]?[Bb])?"
+_SIZE_WITH_UNIT = rf"{_NUMBER} ?{_UNIT}|{_BELOW_ONE}"
+SIZE_PATTERN = rf"^({_NUMBER} ?{_UNIT}?|{_BELOW_ONE})$"
 # Headroom as a string: a fraction below 1 ("0.05"), a percentage below 100 ("5%", "12.5%"), or
 # a size with its unit ("2GiB": a bare "5" would be ambiguous, so a size needs its unit).
-HEADROOM_PATTERN = rf"^(0(\.[0-9]{{1,6}})?|([0-9]|[1-9][0-9])(\.[0-9]{{1,6}})?%|{_NUMBER} ?{_UNIT})$"
+HEADROOM_PATTERN = rf"^(0(\.[0-9]{{1,6}})?|([0-9]|[1-9][0-9])(\.[0-9]{{1,6}})?%|{_SIZE_WITH_UNIT})$"
 _SIZE_TEXT = re.compile(SIZE_PATTERN.replace("$", r"\Z"))
 _HEADROOM_TEXT = re.compile(HEADROOM_PATTERN.replace("$", r"\Z"))
 

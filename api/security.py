@@ -36,6 +36,12 @@ async def check_token(
     request: Request, _credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> None:
     """FastAPI dependency of the /v1 router."""
+    require_token(request)
+
+
+def require_token(request: Request) -> None:
+    """The token check itself, for a route outside FastAPI's dependency machinery (the plan
+    query's fast path). Raises HTTPException(401)."""
     expected: bytes | None = request.app.state.token
     if expected is None:
         return

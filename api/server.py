@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import tempfile
 
 from autotune.errors import ConfigError, StoreError
@@ -36,6 +37,7 @@ def preflight() -> None:
 def serve(host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", workers: int = 1) -> None:
     """Run the service until interrupted."""
     import uvicorn
+    from uvicorn.supervisors import Multiprocess
 
     preflight()
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
@@ -48,7 +50,17 @@ def serve(host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", wo
         return
     shared = tempfile.mkdtemp(prefix="autotune-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = shared
+    os.environ["AUTOTUNE_LOG_LEVEL"] = log_level  # workers are spawned: they configure their own logging
+    config = uvicorn.Config("api.app:create_app", factory=True, workers=workers, **options)  # type: ignore[arg-type]
+    bound = config.bind_socket()
+    # uvicorn binds with protocol 0, so asyncio never sets TCP_NODELAY on the connections the
+    # workers accept, and every keep-alive answer written in two pieces waits ~40 ms for the
+    # client's delayed ACK (uvicorn issue 3149): the same socket, re-made as IPPROTO_TCP.
+    listener = socket.socket(bound.family, bound.type, socket.IPPROTO_TCP, fileno=bound.detach())
     try:
-        uvicorn.run("api.app:create_app", factory=True, workers=workers, **options)  # type: ignore[arg-type]
+        Multiprocess(config, sockets=[listener]).run()
+    except KeyboardInterrupt:
+        pass
     finally:
+        listener.close()
         shutil.rmtree(shared, ignore_errors=True)

@@ -46,7 +46,7 @@ from api.schemas import (
     WorkloadView,
     query_parameters,
 )
-from api.security import check_token
+from api.security import check_token, require_token
 from api.service import Resolved, Service, check_plan
 from autotune.probekey import key_from_result, result_model_problems
 from autotune.registry import UnknownWorkloadError
@@ -231,6 +231,14 @@ async def get_plan(request: Request) -> Response:
         probe=view,
     )
     return _json(pending, status.HTTP_202_ACCEPTED, {**location, "Retry-After": "1"})
+
+
+async def plan_route(request: Request) -> Response:
+    """`GET /v1/plan` as a plain Starlette route in front of the documented one (`create_app`):
+    the same token check and handler without FastAPI's per-route dependency solving and request
+    wrappers, which cost more than the query itself. The documented route stays for OpenAPI."""
+    require_token(request)
+    return await get_plan(request)
 
 
 def _json(model: PlanFailed | PlanPending, code: int, headers: dict[str, str]) -> Response:

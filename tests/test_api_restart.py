@@ -81,7 +81,7 @@ def test_kill_9_mid_probe_then_restart(tmp_path: Path) -> None:
     wait_for(lambda: not any(alive(pid) for pid in children), 15, f"probe children {children} to exit")
 
     # The server marked its running job interrupted on the way out; the result is still stored.
-    store = Store(tmp_path / "autotune.db", recover=False)
+    store = Store(tmp_path / "autotune.db")
     try:
         job = store.get_job(again.json()["id"])
         assert job is not None

@@ -15,7 +15,7 @@ import json
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,8 +23,10 @@ import httpx
 import pytest
 
 from autotune.errors import ConfigError, ProbeError
+from autotune.probe import ProbeRequest
 from autotune.probekey import DeviceKey, key_for_request, key_from_result, result_model_problems
 from autotune.registry import Registry, load_registry
+from autotune.results import ProbeResult, TrialRecord
 from tests.serving import ROOT, make_result
 
 MiB = 2**20
@@ -205,7 +207,7 @@ def test_a_new_process_computes_the_same_keys_and_loads_fast(user_code: UserCode
     assert {k: tuple(v) for k, v in there["ids"].items()} == here  # the built-ins' keys too
     # Building on the meta device skipped initialization: loading imported none of torch's
     # compiler machinery (a second or more of start-up).
-    assert there["heavy"] == []
+    assert there["heavy"] == [], "loading the registry imported torch's compiler machinery: start-up got slower"
 
 
 def _plain_env() -> dict[str, str]:
@@ -244,11 +246,11 @@ def test_what_a_result_states_about_its_model_must_match() -> None:
 
 
 # End to end: the service, restarted on the same database after the model was edited ------------
-def _refuse(request: object, timeout: float, on_trial: object) -> object:
+def _refuse(request: ProbeRequest, timeout: float, on_trial: Callable[[TrialRecord], None]) -> ProbeResult:
     raise ProbeError("no probes in this test")
 
 
-def _with_app(user_code: UserCode, db: Path, body: object) -> None:
+def _with_app(user_code: UserCode, db: Path, body: Callable[[httpx.AsyncClient], Awaitable[None]]) -> None:
     from api import create_app
     from autotune.settings import Settings
 
@@ -256,18 +258,18 @@ def _with_app(user_code: UserCode, db: Path, body: object) -> None:
     toml = user_code.directory / "only.toml"
     toml.write_text("builtins = false\n" + user_code.toml.read_text())
     settings = Settings(db=str(db), workloads=toml, cpu_memory=4 * MiB, headroom=0.05)
-    app = create_app(settings, runner=_refuse)  # type: ignore[arg-type]
+    app = create_app(settings, runner=_refuse)
 
     async def scenario() -> None:
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://node") as client:
-                await body(client)  # type: ignore[operator]
+                await body(client)
 
     asyncio.run(scenario())
 
 
-PLAN = {"workload": "edited", "effective_batch": 24, "device": "cpu"}
+PLAN: dict[str, str | int] = {"workload": "edited", "effective_batch": 24, "device": "cpu"}
 
 
 def test_after_an_edit_and_a_restart_the_old_result_no_longer_answers(user_code: UserCode, tmp_path: Path) -> None:
