@@ -300,6 +300,8 @@ class WorkloadView(BaseModel):
     steps: int
     max_batch: int | None
     granularity: int
+    model_fingerprint: str = Field(description="The model's structure (built on the meta device): part of every key.")
+    source_hash: str = Field(description="The workload's own source files, as read at start-up: part of every key.")
 
 
 class Published(BaseModel):
