@@ -16,7 +16,7 @@ import pytest
 
 from autotune.errors import QueueFullError
 from autotune.results import TrialRecord
-from autotune.store import INTERRUPTED, JobError, JobRecord, Store, StoreError, now
+from autotune.store import INTERRUPTED, JobError, JobRecord, Store, StoreError, now, worker_id
 from tests.serving import make_result
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,6 +165,17 @@ def test_a_silent_worker_loses_its_device_and_its_job_fails_as_interrupted(store
     assert dead.error is not None
     assert dead.error.type == INTERRUPTED
     assert len(dead.trials) == 1  # what it reported is kept
+
+
+def test_a_restarting_worker_leaves_a_live_workers_job_alone(store: Store) -> None:
+    # Another worker of this node (this very process: alive) runs a job; a worker starting up sweeps.
+    store.submit(_job("a" * 32))
+    job = store.claim("n1", "cpu", worker_id(), 3600)
+    assert job is not None
+    assert store.sweep("n1", 3600) == []
+    running = store.get_job(job.id)
+    assert running is not None
+    assert running.status == "running"
 
 
 def test_a_dead_process_on_this_host_loses_its_job_at_once(store: Store) -> None:
