@@ -1,5 +1,5 @@
-"""Persistence: kill -9 mid-probe, restart on the same database: stored results are intact, the
-interrupted probe is marked failed and can be asked for again. A graceful stop mid-probe ends the
+"""Persistence, on SQLite and on PostgreSQL: kill -9 mid-probe, restart on the same database:
+stored results are intact, the interrupted probe is marked failed and can be asked for again. A graceful stop mid-probe ends the
 probe child too and marks its job interrupted."""
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def _probe_children(server: Server) -> list[int]:
     return found
 
 
-def test_kill_9_mid_probe_then_restart(tmp_path: Path) -> None:
-    first = start_server(tmp_path / "first", db=tmp_path / "autotune.db")
+def test_kill_9_mid_probe_then_restart(tmp_path: Path, database: str) -> None:
+    first = start_server(tmp_path / "first", db=database)
     try:
         with first.client() as client:
             published = make_result(options=TINY, max_micro_batch=12, max_batch_cap=16)
@@ -49,7 +49,7 @@ def test_kill_9_mid_probe_then_restart(tmp_path: Path) -> None:
     # The probe child notices its parent is gone and exits: no orphan keeps probing.
     wait_for(lambda: not any(alive(pid) for pid in children), 15, f"probe children {children} to exit")
 
-    second = start_server(tmp_path / "second", db=tmp_path / "autotune.db")
+    second = start_server(tmp_path / "second", db=database)
     try:
         with second.client() as client:
             view = client.get(f"/v1/probes/{slow['id']}").json()
@@ -81,7 +81,7 @@ def test_kill_9_mid_probe_then_restart(tmp_path: Path) -> None:
     wait_for(lambda: not any(alive(pid) for pid in children), 15, f"probe children {children} to exit")
 
     # The server marked its running job interrupted on the way out; the result is still stored.
-    store = Store(tmp_path / "autotune.db")
+    store = Store(database)
     try:
         job = store.get_job(again.json()["id"])
         assert job is not None

@@ -13,8 +13,8 @@ TINY = {"in_features": 64, "hidden": 64, "layers": 1, "classes": 10}
 PLAN = "/v1/plan?workload=tiny&effective_batch=48&device=cpu"
 
 
-def test_a_run_oom_lowers_the_answer_for_later_plans_and_persists(tmp_path: Path) -> None:
-    with running_server(tmp_path) as server:
+def test_a_run_oom_lowers_the_answer_for_later_plans_and_persists(tmp_path: Path, database: str) -> None:
+    with running_server(tmp_path, db=database) as server:
         with server.client() as http:
             published = make_result(options=TINY, max_micro_batch=12, max_batch_cap=16)
             assert http.post("/v1/results", json=published.model_dump(mode="json")).status_code == 201

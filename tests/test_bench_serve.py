@@ -1,4 +1,4 @@
-"""bench/serve.py at its smallest: 1 and 2 workers, one client count, about a second per run."""
+"""bench/serve.py at its smallest: 2 workers (the multi-process path), one client count, about a second."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_bench_serve_smallest_run(tmp_path: Path) -> None:
     out = tmp_path / "serve.json"
-    args = ["--workers", "1,2", "--clients", "2", "--duration", "1", "--warmup", "0.3", "--json", str(out)]
+    args = ["--workers", "2", "--clients", "2", "--duration", "1", "--warmup", "0.3", "--json", str(out)]
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "serve.py"), *args],
         cwd=ROOT,
@@ -30,12 +30,12 @@ def test_bench_serve_smallest_run(tmp_path: Path) -> None:
     cores = doc["machine"]["cpus"]
     assert cores >= 1
     assert f"{cores} CPU cores" in done.stdout
-    assert doc["settings"]["workers"] == [1, 2]
+    assert doc["settings"]["workers"] == [2]
     assert doc["settings"]["clients"] == [2]
     assert doc["plan"]["micro_batches"]
 
     results = {(m["endpoint"], m["workers"], m["clients"]): m for m in doc["results"]}
-    assert set(results) == {(e, w, 2) for e in ("bare", "plan") for w in (1, 2)}
+    assert set(results) == {(e, w, 2) for e in ("bare", "plan") for w in (2,)}
     for m in results.values():
         assert m["requests"] > 0
         assert m["errors"] == 0
@@ -44,15 +44,14 @@ def test_bench_serve_smallest_run(tmp_path: Path) -> None:
         assert m["server_cpu_us_per_request"] is None or m["server_cpu_us_per_request"] > 0
 
     # Every plan query answered from a stored result, counted over all of the service's workers.
-    assert [run["workers"] for run in doc["runs"]] == [1, 2]
+    assert [run["workers"] for run in doc["runs"]] == [2]
     for run in doc["runs"]:
         assert run["plan_requests_sent"] > 0
         assert run["plan_queries"] == run["plan_requests_sent"] == run["plan_cache_hits"]
 
-    assert set(doc["plan_vs_bare"]) == {"1", "2"}
-    assert all(doc["plan_vs_bare"][w]["2"] > 0 for w in ("1", "2"))
-    assert set(doc["server_cpu_per_request_plan_vs_bare"]) == {"1", "2"}
+    assert set(doc["plan_vs_bare"]) == {"2"}
+    assert doc["plan_vs_bare"]["2"]["2"] > 0
+    assert set(doc["server_cpu_per_request_plan_vs_bare"]) == {"2"}
     scaling = doc["scaling_vs_fewest_workers"]
-    assert scaling["base_workers"] == 1
-    assert scaling["plan"]["1"]["2"] == scaling["bare"]["1"]["2"] == 1.0
-    assert scaling["plan"]["2"]["2"] > 0
+    assert scaling["base_workers"] == 2
+    assert scaling["plan"]["2"]["2"] == scaling["bare"]["2"]["2"] == 1.0
