@@ -1,6 +1,6 @@
 """Persistence, on SQLite and on PostgreSQL: kill -9 mid-probe, restart on the same database:
-stored results are intact, the interrupted probe is marked failed and can be asked for again. A graceful stop mid-probe ends the
-probe child too and marks its job interrupted."""
+stored results are intact, the interrupted probe is marked failed and can be asked for again. A
+graceful stop mid-probe ends the probe child too and marks its job interrupted."""
 
 from __future__ import annotations
 
