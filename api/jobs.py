@@ -113,10 +113,11 @@ class ProbeManager:
         self._watcher: asyncio.Task[None] | None = None
 
     def start(self) -> list[str]:
-        """Fail this node's jobs whose worker is gone, then start a worker per device. Returns the
-        ids of the jobs found interrupted."""
+        """Fail this node's jobs whose worker is gone (and its queued jobs for devices it no longer
+        has), then start a worker per device. Returns the ids of the jobs found interrupted."""
         try:
             interrupted = self._store.sweep(self.node, self._lease)
+            interrupted += self._store.fail_queued_without_device(self.node, self._devices)
         except StoreError as exc:
             log.warning("could not look for interrupted jobs: %s", exc)
             interrupted = []
@@ -133,9 +134,8 @@ class ProbeManager:
         self, *, request_key: str, workload: str, device: str, request: ProbeRequest, use_stored: bool, remember: bool
     ) -> Submitted:
         """The stored result (`use_stored`), a recent deterministic failure (`remember`), the
-        active job for `request_key`, or a new queued one. Raises QueueFullError, StoreError."""
-        if self._loop is None:
-            self._loop = asyncio.get_running_loop()
+        active job for `request_key`, or a new queued one. Raises QueueFullError, StoreError.
+        Blocking (the store): the event loop calls it through a thread."""
         if self._closing.is_set():
             raise StoreError("the server is shutting down: ask again once it is back")
         record = JobRecord(
@@ -227,6 +227,7 @@ class ProbeManager:
         self._closing.set()
         for wakeup in self._wakeups.values():
             wakeup.set()
+        self._record_unsaved()  # outcomes clients were told, not yet in the store: a last try
         with self._lock:
             running = [m for m in self._mine.values() if m.record.status == "running"]
         for mine in running:
@@ -236,16 +237,23 @@ class ProbeManager:
             except StoreError as exc:
                 log.warning("could not mark job %s interrupted: %s", mine.record.id, exc)
             self._metrics.probes.labels(outcome_label(INTERRUPTED)).inc()
+        # Idle workers stop within a poll; one running a probe cannot be interrupted (it waits on
+        # the probe child, which ends with this process), so the wait is short.
+        for thread in self._threads:
+            thread.join(timeout=POLL_SECONDS * 2)
 
     # Worker side -----------------------------------------------------------------------------
     def _work(self, device: str) -> None:
         wakeup = self._wakeups[device]
         while not self._closing.is_set():
-            self._record_unsaved()
             try:
+                self._record_unsaved()
                 job = self._store.claim(self.node, device, self.owner, self._lease)
             except StoreError as exc:
                 log.warning("could not look for probe jobs on %s: %s", device, exc)
+                job = None
+            except Exception:  # the worker must outlive anything: its device's jobs wait on it
+                log.exception("probe worker for %s: unexpected failure", device)
                 job = None
             if job is None:
                 wakeup.wait(POLL_SECONDS)
@@ -281,6 +289,7 @@ class ProbeManager:
             )
         finally:
             beating.set()
+            heart.join(timeout=self._lease)  # no heartbeat may land after the outcome is recorded
         seconds = time.perf_counter() - started
         if self._closing.is_set():
             return  # close() has marked it interrupted
@@ -316,7 +325,7 @@ class ProbeManager:
         record = mine.record
         try:
             if mine.result is not None:
-                stored = self._store.finish(record, mine.result, self.owner)
+                stored = self._store.finish(record, mine.result, self.owner, list(mine.trials))
                 self._cache.put(record.request_key, stored)
             else:
                 assert record.error is not None

@@ -21,6 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Literal
 
 from api.cache import Cached, PlanCache, PlotCache, ResultCache
@@ -109,6 +110,7 @@ class Service:
     def close(self) -> None:
         self._closing.set()
         self.jobs.close()
+        self._refresher.join(timeout=5)
         self.store.close()
 
     # Stored results ----------------------------------------------------------------------------
@@ -125,24 +127,39 @@ class Service:
         return None if stored is None else self.results.put(digest, stored)
 
     def _refresh(self) -> None:
-        # Learn of results stored elsewhere that replace cached ones (or answer new keys).
-        last_seen = 0.0
-        while not self._closing.wait(self.settings.cache_ttl):
-            # This node is alive: other nodes leave the jobs queued for it alone.
-            if time.monotonic() - last_seen > self.settings.lease_seconds / 3 and self.check_writable() is None:
-                last_seen = time.monotonic()
-            try:
-                index = self.store.key_index()
-                for key, fingerprint in index.items():
-                    cached = self.results.get(key)
-                    if cached is None or cached.stored.result.fingerprint != fingerprint:
-                        stored = self.store.result_for_key(key)
-                        if stored is not None:
-                            self.results.put(key, stored)
-            except StoreError as exc:
-                log.warning("could not refresh stored results: %s", exc)
-            except Exception:  # the refresher must outlive a bad row
-                log.exception("refreshing stored results failed")
+        # Two clocks in one thread: every lease/3 this node says it is alive (other nodes leave the
+        # jobs queued for it alone) and fails running jobs anywhere whose worker went silent
+        # (nobody else may look at a dead node's jobs); every AUTOTUNE_CACHE_TTL it learns of
+        # results stored elsewhere that replace cached ones or answer new keys.
+        lease, ttl = self.settings.lease_seconds, self.settings.cache_ttl
+        last_seen = last_refresh = 0.0
+        while not self._closing.wait(min(ttl, lease / 3)):
+            if time.monotonic() - last_seen >= lease / 3:
+                if self.check_writable() is None:
+                    last_seen = time.monotonic()
+                try:
+                    interrupted = self.store.sweep_stale(lease)
+                except StoreError as exc:
+                    log.warning("could not look for stale probe jobs: %s", exc)
+                else:
+                    if interrupted:
+                        self.metrics.probes.labels("interrupted").inc(len(interrupted))
+            if time.monotonic() - last_refresh >= ttl:
+                last_refresh = time.monotonic()
+                self._learn_results()
+
+    def _learn_results(self) -> None:
+        try:
+            for key, stored_at in self.store.key_index().items():
+                cached = self.results.get(key)
+                if cached is None or datetime.fromisoformat(stored_at) > cached.stored.stored_at:
+                    stored = self.store.result_for_key(key)
+                    if stored is not None:
+                        self.results.put(key, stored)
+        except StoreError as exc:
+            log.warning("could not refresh stored results: %s", exc)
+        except Exception:  # the refresher must outlive a bad row
+            log.exception("refreshing stored results failed")
 
     def check_writable(self) -> str | None:
         """None when a write succeeds now, else why not (readiness)."""

@@ -198,7 +198,7 @@ async def get_plan(request: Request) -> Response:
     resolved = _resolve_query(svc, query)
     effective_batch, world_size, policy, wait = query.effective_batch, query.world_size, query.policy, query.wait
     svc.metrics.plan_requests.inc()
-    cached = svc.lookup(resolved.digest)
+    cached = svc.results.get(resolved.digest) or await asyncio.to_thread(svc.lookup, resolved.digest)
     if cached is not None:
         svc.metrics.plan_cache_hits.inc()
         return Response(
@@ -207,17 +207,17 @@ async def get_plan(request: Request) -> Response:
 
     check_plan(effective_batch, world_size, policy)
     # The store answers: a result stored meanwhile, a failure that would repeat, or the probe.
-    submitted = svc.submit(resolved, use_stored=True, remember=True)
+    submitted = await asyncio.to_thread(svc.submit, resolved, use_stored=True, remember=True)
     cached = svc.results.get(resolved.digest) if submitted.stored is not None else None
     if cached is None and submitted.job is not None and submitted.job.status in ("queued", "running") and wait > 0:
         await svc.jobs.wait(submitted.job.id, wait)
-        cached = svc.lookup(resolved.digest)
+        cached = await asyncio.to_thread(svc.lookup, resolved.digest)
     if cached is not None:
         body = svc.plan_body(resolved, cached, effective_batch, world_size, policy)
         return Response(body, media_type="application/json")
     assert submitted.job is not None
     job_id = submitted.job.id
-    view = svc.job_view(job_id)
+    view = await asyncio.to_thread(svc.job_view, job_id)
     if view is None:  # not expected: the job was just created or just failed
         raise NotFoundError(f"the probe for workload {query.workload!r} vanished: ask again")
     location = {"Location": f"/v1/probes/{view.id}"}
@@ -328,18 +328,23 @@ async def create_probe(body: ProbeCreate, response: Response, svc: ServiceDep) -
         max_batch=body.max_batch,
         granularity=body.granularity,
     )
-    cached = None if body.refresh else svc.lookup(resolved.digest)
+    cached = None if body.refresh else await asyncio.to_thread(svc.lookup, resolved.digest)
     if cached is not None:
         response.status_code = status.HTTP_200_OK
         return svc.stored_view(resolved, cached.stored)
-    submitted = svc.submit(resolved, use_stored=not body.refresh)
+    submitted = await asyncio.to_thread(svc.submit, resolved, use_stored=not body.refresh)
     if submitted.stored is not None:
         response.status_code = status.HTTP_200_OK
         return svc.stored_view(resolved, submitted.stored)
     assert submitted.job is not None
     response.headers["Location"] = f"/v1/probes/{submitted.job.id}"
     # A new job is answered as created (queued), even if a worker has claimed it since.
-    view = svc.record_view(submitted.job) if submitted.created else svc.job_view(submitted.job.id)
+    if submitted.created:
+        view = await asyncio.to_thread(svc.record_view, submitted.job)
+    else:
+        found = await asyncio.to_thread(svc.job_view, submitted.job.id)
+        assert found is not None  # just submitted: it exists
+        view = found
     assert view is not None  # just submitted: it is active or already stored
     return view
 
@@ -352,7 +357,7 @@ async def create_probe(body: ProbeCreate, response: Response, svc: ServiceDep) -
     responses=_errors(404, 503, e404="No such probe."),
 )
 async def get_probe(probe_id: ProbeId, svc: ServiceDep) -> ProbeView:
-    view = svc.job_view(probe_id) if _JOB_ID.match(probe_id) else None
+    view = await asyncio.to_thread(svc.job_view, probe_id) if _JOB_ID.match(probe_id) else None
     if view is None:
         raise NotFoundError(f"no probe {probe_id[:64]!r}: probe ids come from POST /v1/probes")
     return view
@@ -369,7 +374,7 @@ async def get_probe(probe_id: ProbeId, svc: ServiceDep) -> ProbeView:
     summary="A finished probe's trials, predicted curve, budget, headroom and answer, as PNG",
 )
 async def get_probe_plot(probe_id: ProbeId, svc: ServiceDep) -> Response:
-    view = svc.job_view(probe_id) if _JOB_ID.match(probe_id) else None
+    view = await asyncio.to_thread(svc.job_view, probe_id) if _JOB_ID.match(probe_id) else None
     if view is None:
         raise NotFoundError(f"no probe {probe_id[:64]!r}: probe ids come from POST /v1/probes")
     if view.result is None:
@@ -391,14 +396,20 @@ async def get_probe_plot(probe_id: ProbeId, svc: ServiceDep) -> Response:
 )
 async def report_run_failure(body: RunFailureReport, svc: ServiceDep) -> RunFailureRecorded:
     resolved = _resolve_query(svc, body)
-    cached = svc.lookup(resolved.digest)
-    if cached is None:
-        raise NotFoundError(f"no stored result answers this query for workload {body.workload!r}: nothing to lower")
-    before = cached.stored.result
     failure = RunFailure(micro_batch=body.micro_batch, accumulates=body.accumulates, message=body.message)
-    lowered = before.lowered_by_run(failure)
-    stored = svc.store.put_result(lowered, resolved.digest, source=cached.stored.source)
+    found: list[ProbeResult] = []
+
+    def lower(current: ProbeResult) -> ProbeResult:
+        found.append(current)
+        return current.lowered_by_run(failure)
+
+    # Read, lowered and written in one transaction: the stored result, not this worker's copy,
+    # so that reports sent to different workers or nodes at once all count.
+    stored = await asyncio.to_thread(svc.store.lower_result, resolved.digest, lower)
+    if stored is None:
+        raise NotFoundError(f"no stored result answers this query for workload {body.workload!r}: nothing to lower")
     svc.results.put(resolved.digest, stored)
+    before, lowered = found[0], stored.result
     changed = (lowered.max_micro_batch, lowered.max_micro_batch_without_accumulation) != (
         before.max_micro_batch,
         before.max_micro_batch_without_accumulation,
@@ -448,7 +459,7 @@ async def publish(result: ProbeResult, response: Response, svc: ServiceDep) -> P
         )
     key = key_from_result(result, entry)
     digest = key.digest() if key is not None else None
-    stored = svc.store.put_result(result, digest, source="published")
+    stored = await asyncio.to_thread(svc.store.put_result, result, digest, source="published")
     if digest is not None:
         svc.results.put(digest, stored)
     svc.metrics.results_published.inc()
@@ -511,7 +522,7 @@ async def get_result(
     ],
     svc: ServiceDep,
 ) -> StoredView:
-    stored = svc.store.get_result(fingerprint) if _FINGERPRINT.match(fingerprint) else None
+    stored = await asyncio.to_thread(svc.store.get_result, fingerprint) if _FINGERPRINT.match(fingerprint) else None
     if stored is None:
         raise NotFoundError(f"no stored result with fingerprint {fingerprint[:64]!r}")
     return StoredView(source=stored.source, stored_at=stored.stored_at, result=stored.result)

@@ -67,7 +67,7 @@ def test_a_result_round_trips_by_fingerprint_and_by_request_key(store: Store) ->
     found = store.result_for_key("key-a")
     assert found is not None
     assert found.result == result
-    assert store.key_index() == {"key-a": "1" * 64}
+    assert list(store.key_index()) == ["key-a"]
     assert store.get_result("2" * 64) is None
     assert store.result_for_key("key-b") is None
 
@@ -422,3 +422,49 @@ CREATE TABLE IF NOT EXISTS trials (
     PRIMARY KEY (job_id, seq)
 );
 """
+
+
+def test_a_late_finish_after_a_sweep_stores_the_result_but_leaves_the_job_failed(store: Store) -> None:
+    store.submit(_job("a" * 32, key="k1"))
+    late = store.claim("n1", "cpu", "elsewhere:1:x", 0.2)
+    assert late is not None
+    time.sleep(0.3)
+    store.submit(_job("b" * 32, key="k2"))
+    assert store.claim("n1", "cpu", "owner-2", 0.2) is not None  # swept the silent one, took the device
+    store.finish(late, make_result(fingerprint="1" * 64), "elsewhere:1:x")
+    job = store.get_job("a" * 32)
+    assert job is not None
+    assert job.status == "failed"  # not flipped back while another probe holds the device
+    assert store.result_for_key("k1") is not None
+    assert store.active_jobs("n1") == {"cpu": 1}
+
+
+def test_stale_jobs_of_any_node_and_queued_jobs_for_a_missing_device_are_failed(store: Store) -> None:
+    store.submit(_job("a" * 32, key="k1", node="gone"))
+    assert store.claim("gone", "cpu", "elsewhere:1:x", 0.1) is not None
+    store.submit(_job("b" * 32, key="k2", node="n1", device="cuda:7"))
+    time.sleep(0.2)
+    assert store.sweep_stale(0.1) == ["a" * 32]  # any server sweeps: the node itself is gone
+    assert store.fail_queued_without_device("n1", ["cpu", "cuda:0"]) == ["b" * 32]
+    for job_id in ("a" * 32, "b" * 32):
+        job = store.get_job(job_id)
+        assert job is not None
+        assert job.error is not None
+        assert (job.status, job.error.type) == ("failed", INTERRUPTED)
+
+
+def test_lowering_reads_and_writes_the_stored_result_and_marks_the_key_changed(store: Store) -> None:
+    from autotune.results import RunFailure
+
+    store.put_result(make_result(fingerprint="1" * 64, max_micro_batch=12, max_batch_cap=16), "k1", source="probe")
+    before = store.key_index()["k1"]
+    first = store.lower_result("k1", lambda r: r.lowered_by_run(RunFailure(micro_batch=11, accumulates=True)))
+    second = store.lower_result("k1", lambda r: r.lowered_by_run(RunFailure(micro_batch=9, accumulates=True)))
+    assert first is not None
+    assert second is not None
+    stored = store.result_for_key("k1")
+    assert stored is not None
+    assert [f.micro_batch for f in stored.result.run_failures] == [11, 9]  # both reports count
+    assert stored.result.fingerprint == "1" * 64  # same fingerprint: the key's time says it changed
+    assert store.key_index()["k1"] > before
+    assert store.lower_result("nope", lambda r: r) is None

@@ -103,7 +103,12 @@ def create(url: URL) -> Engine:
         event.listen(engine, "begin", _sqlite_begin)
     else:
         engine = create_engine(
-            url, pool_pre_ping=True, pool_size=5, max_overflow=10, connect_args={"connect_timeout": 10}
+            # Small: a cluster's nodes x workers share PostgreSQL's max_connections (100 by default).
+            url,
+            pool_pre_ping=True,
+            pool_size=2,
+            max_overflow=8,
+            connect_args={"connect_timeout": 10},
         )
     try:
         with engine.connect() as conn:

@@ -22,7 +22,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -101,19 +101,34 @@ def worker_id() -> str:
 def owner_is_gone(owner: str | None) -> bool:
     """Whether a lease owner is known dead: a process of this host that no longer exists. An
     owner on another host is never judged here; its lease expires instead."""
+    return owner_here(owner) is False
+
+
+def owner_here(owner: str | None) -> bool | None:
+    """True: a live process of this host; False: gone (or no owner); None: another host's."""
     if not owner:
-        return True
+        return False
     host, _, rest = owner.partition(":")
     pid_text = rest.partition(":")[0]
     if host != socket.gethostname() or not pid_text.isdigit():
-        return False
+        return None
     try:
         os.kill(int(pid_text), 0)
     except ProcessLookupError:
-        return True
-    except PermissionError:  # exists, owned by someone else
         return False
-    return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def worker_is_dead(owner: str | None, heartbeat: float | None, moment: float, lease_seconds: float) -> bool:
+    """A running job's worker is dead: its process on this host is gone, or, on another host, it
+    has not renewed its heartbeat for a lease. A live process of this host is never judged by its
+    heartbeat: it may be unable to write one (a full disk) while it still runs the probe."""
+    here = owner_here(owner)
+    if here is not None:
+        return not here
+    return heartbeat is None or heartbeat < moment - lease_seconds
 
 
 class Store:
@@ -239,11 +254,28 @@ class Store:
         return found
 
     def key_index(self) -> dict[str, str]:
-        """Request key -> fingerprint (small rows): how a server learns of results stored elsewhere."""
+        """Request key -> when its answer was stored (small rows): how a server learns of results
+        stored elsewhere, replaced ones included (a lowered or re-probed result keeps its
+        fingerprint, not its time)."""
         with self._read() as conn:
-            return {
-                str(k): str(f) for k, f in conn.execute(select(result_keys.c.request_key, result_keys.c.fingerprint))
-            }
+            rows = conn.execute(select(result_keys.c.request_key, result_keys.c.stored_at))
+            return {str(k): str(t) for k, t in rows}
+
+    def lower_result(self, request_key: str, lower: Callable[[ProbeResult], ProbeResult]) -> StoredResult | None:
+        """Replace the result answering `request_key` by `lower(result)`, read and written in one
+        transaction (reports sent to two workers at once both count). None if no result."""
+        with self._write() as conn:
+            query = _by_key().where(result_keys.c.request_key == request_key)
+            if self.backend == "postgresql":
+                query = query.with_for_update()
+            row = conn.execute(query).first()
+            current = None if row is None else _stored(*row[1:])
+            if current is None:
+                return None
+            stored_at = now()
+            lowered = lower(current.result)
+            self._put(conn, lowered, request_key, current.source, stored_at)
+        return StoredResult(result=lowered, source=current.source, stored_at=stored_at)
 
     def count_results(self) -> int:
         with self._read() as conn:
@@ -285,11 +317,9 @@ class Store:
     ) -> Submitted:
         try:
             with self._write() as conn:
-                if use_stored:
-                    row = conn.execute(_by_key().where(result_keys.c.request_key == job.request_key)).first()
-                    stored = None if row is None else _stored(*row[1:])
-                    if stored is not None:
-                        return Submitted(job=None, created=False, stored=stored)
+                # The active job first, then the result: `finish` writes both in one transaction,
+                # and PostgreSQL reads each statement's own snapshot, so in this order one of the
+                # two reads sees a job that finishes meanwhile (in the other, neither might).
                 active = conn.execute(
                     select(jobs.c.id, jobs.c.node, jobs.c.status, jobs.c.owner, jobs.c.heartbeat).where(
                         jobs.c.request_key == job.request_key, jobs.c.status.in_(ACTIVE)
@@ -299,6 +329,11 @@ class Store:
                     found = self._job(conn, active.id)
                     assert found is not None
                     return Submitted(job=found, created=False)
+                if use_stored:
+                    row = conn.execute(_by_key().where(result_keys.c.request_key == job.request_key)).first()
+                    stored = None if row is None else _stored(*row[1:])
+                    if stored is not None:
+                        return Submitted(job=None, created=False, stored=stored)
                 if failure_memory is not None and remembered:
                     failed = self._recent_failure(conn, job.request_key, failure_memory, remembered)
                     if failed is not None:
@@ -326,7 +361,7 @@ class Store:
         (only that node's workers could run it). True if it was failed."""
         moment = time.time()
         if active.status == "running":
-            gone = active.heartbeat is None or active.heartbeat < moment - lease_seconds or owner_is_gone(active.owner)
+            gone = worker_is_dead(active.owner, active.heartbeat, moment, lease_seconds)
             why = "the worker running it stopped"
         else:
             seen = conn.execute(select(nodes.c.seen_at).where(nodes.c.node == active.node)).scalar()
@@ -362,9 +397,12 @@ class Store:
 
     def claim(self, node: str, device: str, owner: str, lease_seconds: float) -> JobRecord | None:
         """The oldest queued job of (node, device), now running for `owner`, if `owner` can take
-        the device's lease (free, expired, held by a dead process, or its own). Else None."""
-        moment = time.time()
+        the device's lease (free, expired, held by a dead process, or its own) and no job of the
+        device is still running. Else None."""
+        if not self._has_queued(node, device):
+            return None  # the common idle case: a read, no write
         with self._write() as conn:
+            moment = time.time()  # after the write lock: a wait for it must not age the lease
             holder = conn.execute(
                 select(device_leases.c.owner, device_leases.c.expires).where(
                     device_leases.c.node == node, device_leases.c.device == device
@@ -381,12 +419,15 @@ class Store:
                 except IntegrityError:
                     return None  # another worker took it just now
             elif holder.owner == owner or holder.expires < moment or owner_is_gone(holder.owner):
+                # Only the row as read: a renewal committed since (PostgreSQL reads committed
+                # rows statement by statement) changes `expires`, and then it is not ours.
                 taken = conn.execute(
                     update(device_leases)
                     .where(
                         device_leases.c.node == node,
                         device_leases.c.device == device,
                         device_leases.c.owner == holder.owner,
+                        device_leases.c.expires == holder.expires,
                     )
                     .values(owner=owner, expires=moment + lease_seconds)
                 )
@@ -395,28 +436,46 @@ class Store:
             else:
                 return None
             self._sweep(conn, node, device, lease_seconds, moment)
-            job_id = conn.execute(
-                select(jobs.c.id)
-                .where(jobs.c.node == node, jobs.c.device == device, jobs.c.status == "queued")
-                .order_by(jobs.c.created_at)
-                .limit(1)
-            ).scalar()
-            if job_id is None:
-                conn.execute(
-                    delete(device_leases).where(device_leases.c.node == node, device_leases.c.device == device)
+            busy = conn.execute(
+                select(jobs.c.id).where(
+                    jobs.c.node == node, jobs.c.device == device, jobs.c.status == "running", jobs.c.owner != owner
                 )
+            ).first()
+            job_id = None
+            if busy is None:
+                job_id = conn.execute(
+                    select(jobs.c.id)
+                    .where(jobs.c.node == node, jobs.c.device == device, jobs.c.status == "queued")
+                    .order_by(jobs.c.created_at)
+                    .limit(1)
+                ).scalar()
+            if job_id is None:
+                self._release(conn, node, device, owner)
                 return None
-            conn.execute(
+            started = conn.execute(
                 update(jobs)
-                .where(jobs.c.id == job_id)
+                .where(jobs.c.id == job_id, jobs.c.status == "queued")
                 .values(status="running", started_at=now().isoformat(), owner=owner, heartbeat=moment)
             )
+            if started.rowcount != 1:
+                self._release(conn, node, device, owner)
+                return None
             return self._job(conn, job_id)
+
+    def _has_queued(self, node: str, device: str) -> bool:
+        with self._read() as conn:
+            return (
+                conn.execute(
+                    select(jobs.c.id).where(jobs.c.node == node, jobs.c.device == device, jobs.c.status == "queued")
+                ).first()
+                is not None
+            )
 
     def heartbeat(self, job_id: str, node: str, device: str, owner: str, lease_seconds: float) -> bool:
         """Renew the device lease and the job's heartbeat; False if this owner lost the lease."""
-        moment = time.time()
         with self._write() as conn:
+            moment = time.time()
+            # Lease row, then job row: the order finish and fail take them in too (no deadlock).
             kept = conn.execute(
                 update(device_leases)
                 .where(device_leases.c.node == node, device_leases.c.device == device, device_leases.c.owner == owner)
@@ -425,27 +484,41 @@ class Store:
             conn.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.owner == owner).values(heartbeat=moment))
         return kept == 1
 
-    def finish(self, job: JobRecord, result: ProbeResult, owner: str) -> StoredResult:
-        """Store the job's result, mark it succeeded and release its device, in one transaction."""
+    def finish(
+        self, job: JobRecord, result: ProbeResult, owner: str, trials_done: list[TrialRecord] | None = None
+    ) -> StoredResult:
+        """Store the job's result, mark it succeeded (if it is still this owner's running job: a
+        sweep may have failed it) and release its device, in one transaction."""
         stored_at = now()
         with self._write() as conn:
-            self._put(conn, result, job.request_key, "probe", stored_at)
-            conn.execute(
-                update(jobs)
-                .where(jobs.c.id == job.id)
-                .values(status="succeeded", finished_at=stored_at.isoformat(), fingerprint=result.fingerprint)
-            )
             self._release(conn, job.node, job.device, owner)
+            self._put(conn, result, job.request_key, "probe", stored_at)
+            mine = conn.execute(
+                update(jobs)
+                .where(jobs.c.id == job.id, jobs.c.status == "running", jobs.c.owner == owner)
+                .values(status="succeeded", finished_at=stored_at.isoformat(), fingerprint=result.fingerprint)
+            ).rowcount
+            if mine != 1:
+                log.warning("probe job %s finished after it was failed as interrupted: result stored only", job.id)
+            for seq, trial in enumerate(trials_done or [], start=1):
+                self._upsert(
+                    conn, trials, {"job_id": job.id, "seq": seq, "document": trial.model_dump_json()}, ["job_id", "seq"]
+                )
         return StoredResult(result=result, source="probe", stored_at=stored_at)
 
     def fail(
         self, job: JobRecord, error: JobError, owner: str | None = None, finished_at: datetime | None = None
     ) -> None:
-        """Mark the job failed (and release its device when `owner` ran it)."""
+        """Mark the job failed (and release its device when `owner` ran it: then only if it is
+        still this owner's running job)."""
         with self._write() as conn:
+            where = [jobs.c.id == job.id]
+            if owner is not None:
+                self._release(conn, job.node, job.device, owner)
+                where += [jobs.c.status == "running", jobs.c.owner == owner]
             conn.execute(
                 update(jobs)
-                .where(jobs.c.id == job.id)
+                .where(*where)
                 .values(
                     status="failed",
                     finished_at=(finished_at or now()).isoformat(),
@@ -453,8 +526,6 @@ class Store:
                     error_message=error.message,
                 )
             )
-            if owner is not None:
-                self._release(conn, job.node, job.device, owner)
 
     def fail_job(self, job_id: str, error: JobError, finished_at: datetime | None = None) -> None:
         job = self.get_job(job_id)
@@ -473,6 +544,36 @@ class Store:
             )
         )
 
+    def sweep_stale(self, lease_seconds: float) -> list[str]:
+        """Fail running jobs on any node whose heartbeat is older than a lease (a whole node may be
+        gone, and nobody else would look at its jobs); their ids."""
+        moment = time.time()
+        with self._write() as conn:
+            rows = conn.execute(
+                select(jobs.c.id, jobs.c.owner, jobs.c.heartbeat).where(
+                    jobs.c.status == "running", jobs.c.heartbeat < moment - lease_seconds
+                )
+            ).all()
+            dead = [str(r.id) for r in rows if worker_is_dead(r.owner, r.heartbeat, moment, lease_seconds)]
+            if dead:
+                _interrupt(conn, dead, "the worker running it stopped (no heartbeat for a lease period)")
+        return dead
+
+    def fail_queued_without_device(self, node: str, devices: Sequence[str]) -> list[str]:
+        """Fail the queued jobs of `node` for devices it no longer has; their ids."""
+        with self._write() as conn:
+            gone = [
+                str(i)
+                for (i,) in conn.execute(
+                    select(jobs.c.id).where(
+                        jobs.c.node == node, jobs.c.status == "queued", jobs.c.device.not_in(list(devices))
+                    )
+                )
+            ]
+            if gone:
+                _interrupt(conn, gone, f"node {node} no longer has the device it was queued for")
+        return gone
+
     def sweep(self, node: str, lease_seconds: float) -> list[str]:
         """Fail the running jobs of `node` whose worker is gone; their ids."""
         with self._write() as conn:
@@ -483,23 +584,9 @@ class Store:
         if device is not None:
             where.append(jobs.c.device == device)
         rows = conn.execute(select(jobs.c.id, jobs.c.owner, jobs.c.heartbeat).where(and_(*where))).all()
-        dead = [
-            row.id
-            for row in rows
-            if row.heartbeat is None or row.heartbeat < moment - lease_seconds or owner_is_gone(row.owner)
-        ]
+        dead = [row.id for row in rows if worker_is_dead(row.owner, row.heartbeat, moment, lease_seconds)]
         if dead:
-            conn.execute(
-                update(jobs)
-                .where(jobs.c.id.in_(dead), jobs.c.status == "running")
-                .values(
-                    status="failed",
-                    finished_at=now().isoformat(),
-                    error_type=INTERRUPTED,
-                    error_message="interrupted: the server stopped while this probe was running; "
-                    "ask for it again (POST /v1/probes) to run it",
-                )
-            )
+            _interrupt(conn, dead, "the server stopped while this probe was running")
             log.warning("marked %d interrupted probe job(s) failed", len(dead))
         return dead
 
@@ -568,6 +655,19 @@ class Store:
             error=JobError(type=row.error_type, message=row.error_message or "") if row.error_type else None,
             trials=[TrialRecord.model_validate_json(d) for (d,) in documents],
         )
+
+
+def _interrupt(conn: Connection, job_ids: list[str], why: str) -> None:
+    conn.execute(
+        update(jobs)
+        .where(jobs.c.id.in_(job_ids), jobs.c.status.in_(ACTIVE))
+        .values(
+            status="failed",
+            finished_at=now().isoformat(),
+            error_type=INTERRUPTED,
+            error_message=f"interrupted: {why}; ask for it again (POST /v1/probes) to run it",
+        )
+    )
 
 
 class _Conflict(StoreError):
