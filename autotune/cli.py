@@ -1,29 +1,44 @@
 """The `autotune` command line: probe, plan (and the service's serve, devices, estimate).
 
 Errors we expect (bad input, a probe that cannot answer) print one line and exit non-zero:
-2 for bad input, 1 for a probe that failed. No traceback reaches the user.
+2 for bad input (a flag, an argument, an AUTOTUNE_* variable), 1 for a probe that failed. No
+traceback reaches the user; with `--json`, stdout gets a JSON error document as well.
+
+Every flag is checked before anything slow starts: torch, the workload and the probe machinery are
+imported inside the commands, after the checks, so `--help`, `--version` and bad input answer at
+once, and an output path that cannot be written is refused before the probe, not after it.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import sys
 from collections import Counter
-from collections.abc import Callable
-from typing import Annotated
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from autotune import __version__
-from autotune.errors import AutotuneError, ConfigError
+from autotune.errors import AutotuneError, ConfigError, PlanError, ProbeError, WorkloadError, report
 from autotune.plan import Plan, Policy, parse_policy, plan
-from autotune.probe import ProbeRequest, load_workload
-from autotune.results import ProbeResult, TrialRecord
-from autotune.settings import get_settings
 from autotune.units import format_bytes, parse_headroom, parse_size
-from autotune.workload import parse_options
+
+if TYPE_CHECKING:
+    from autotune.probe import ProbeRequest
+    from autotune.results import ProbeResult, TrialRecord
+    from autotune.settings import Settings
+
+# A plan longer than this is a typo (the service refuses the same), and its list would fill memory.
+MAX_ACCUMULATION_STEPS = 10_000
+# A probe's plan is made after the search, from an answer not known yet: above this many samples
+# per rank an effective batch is refused before the probe rather than planned into millions of steps.
+MAX_SAMPLES_PER_RANK = 10_000_000
 
 app = typer.Typer(
     name="autotune",
@@ -31,13 +46,33 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    rich_markup_mode=None,  # plain help: no `<bool>` column, no rich import before parsing
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
-err = Console(stderr=True, soft_wrap=True)
-out = Console(soft_wrap=True)
+# emoji=False: a target like nwl:factory: would otherwise print a factory emoji. User text that
+# goes through markup is escaped (rich.markup.escape), so `[batch, 16]` in a message survives.
+err = Console(stderr=True, soft_wrap=True, emoji=False)
+out = Console(soft_wrap=True, emoji=False)
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        out.print(__version__, markup=False, highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", "-V", callback=_version_callback, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    """Find the largest micro-batch that fits in GPU memory, exactly, and plan accumulation."""
 
 
 def _trial_table(trials: list[TrialRecord], title: str) -> Table:
-    table = Table(title=title, title_justify="left")
+    table = Table(title=escape(title), title_justify="left")
     table.add_column("#", justify="right")
     table.add_column("batch", justify="right")
     table.add_column("micro-steps", justify="right")
@@ -60,24 +95,36 @@ def _trial_table(trials: list[TrialRecord], title: str) -> Table:
     return table
 
 
+def plan_arithmetic(p: Plan) -> str:
+    """The plan as exact arithmetic, micro-batch × steps: "17 × 4 + 16 × 2 = effective batch 100";
+    "(684 + 683 × 2) × world size 2 = effective batch 4100". A size that runs once has no "× 1"."""
+    terms = [f"{m} × {n}" if n > 1 else str(m) for m, n in Counter(p.micro_batches).items()]
+    expression = " + ".join(terms)
+    if p.world_size > 1:
+        expression = f"({expression})" if len(terms) > 1 else expression
+        expression += f" × world size {p.world_size}"
+    return f"{expression} = effective batch {p.achieved_effective_batch}"
+
+
 def _plan_lines(p: Plan) -> list[str]:
+    """The plan for people, as markup (user text escaped)."""
     sizes = p.micro_batches
     shown = (
         ", ".join(map(str, sizes))
         if len(sizes) <= 12
         else f"{', '.join(map(str, sizes[:10]))}, ... ({len(sizes)} steps)"
     )
-    # Counter keeps first-appearance order: [6, 6, 5] -> 2 × 6 + 1 × 5.
-    arithmetic = " + ".join(f"{n} × {m}" for m, n in Counter(sizes).items())
-    lines = [
-        f"plan ({p.policy.value}): {p.accumulation_steps} accumulation step(s) of at most {p.micro_batch} "
-        f"({arithmetic}) × world size {p.world_size} = effective batch {p.achieved_effective_batch}",
-        f"  per-step micro-batches: {shown}",
-    ]
+    steps = p.accumulation_steps
+    if steps == 1:
+        shape = "one micro-step per optimizer step (no accumulation)"
+    else:
+        equal = len(set(sizes)) == 1
+        shape = f"{steps} accumulation steps of {'' if equal else 'at most '}{p.micro_batch} (micro-batch × steps)"
+    lines = [f"plan ({p.policy.value}): {shape}: {plan_arithmetic(p)}", f"  per-step micro-batches: {shown}"]
     if p.verified_for != "unverified":
         what = "one micro-step per optimizer step" if p.verified_for == "one-micro-step" else "gradient accumulation"
         lines.append(f"  micro-batch {p.micro_batch} verified for {what}")
-    lines += [f"  [yellow]warning:[/] {w}" for w in p.warnings]
+    lines += [f"  [yellow]warning:[/] {escape(w)}" for w in p.warnings]
     return lines
 
 
@@ -92,10 +139,10 @@ def _print_summary(result: ProbeResult) -> None:
         out.print(
             f"  without accumulation (one micro-step per optimizer step): {result.max_micro_batch_without_accumulation}"
         )
-    out.print(f"  verified for: {result.loop.describe()}", highlight=False)
+    out.print(f"  verified for: {result.loop.describe()}", highlight=False, markup=False)
     out.print(
-        f"  device: {result.device.name}; budget {format_bytes(result.budget_bytes)} "
-        f"({result.budget_policy}), headroom {format_bytes(result.headroom_bytes)}, "
+        f"  device: {escape(result.device.name)}; budget {format_bytes(result.budget_bytes)} "
+        f"({escape(result.budget_policy)}), headroom {format_bytes(result.headroom_bytes)}, "
         f"limit {format_bytes(result.limit_bytes)}"
     )
     if at is not None:
@@ -103,7 +150,7 @@ def _print_summary(result: ProbeResult) -> None:
     above = result.max_micro_batch + result.granularity
     failed = next((t for t in result.evidence() if t.batch == above and not t.fits), None)
     if failed is not None:
-        out.print(f"  {failed.batch} ran out of memory: {failed.oom_message}")
+        out.print(f"  {failed.batch} ran out of memory: {escape(failed.oom_message or '')}")
     out.print(
         f"  {len(result.trials)} trials in {result.duration_seconds:.1f} s; fingerprint {result.fingerprint[:16]}"
     )
@@ -116,124 +163,217 @@ def _print_summary(result: ProbeResult) -> None:
             out.print(line)
 
 
-@app.command()
+_DEFAULT_NOTE = "[default: {}]"
+
+
+@app.command(short_help="Probe the largest micro-batch of TARGET that fits; plan accumulation.")
 def probe(
-    target: Annotated[str, typer.Argument(help="Built-in example (mlp, cnn, gpt) or module:attribute.")],
+    target: Annotated[
+        str, typer.Argument(metavar="TARGET", help="Built-in example (mlp, cnn, gpt) or module:attribute.")
+    ],
     device: Annotated[
         str | None,
-        typer.Option(help="cuda, cuda:N or cpu (the budget device). Default: CUDA when present."),
+        typer.Option(
+            metavar="DEVICE",
+            help="cuda, cuda:N or cpu (the budget device).  "
+            + _DEFAULT_NOTE.format("cuda:0 when CUDA is present, else cpu"),
+        ),
     ] = None,
-    memory: Annotated[str | None, typer.Option(help="Probe as if the device had this much memory, e.g. 24GiB.")] = None,
+    memory: Annotated[
+        str | None,
+        typer.Option(
+            metavar="SIZE",
+            help="Probe as if the device had this much memory, e.g. 24GiB.  "
+            + _DEFAULT_NOTE.format("the card's; on cpu AUTOTUNE_CPU_MEMORY, 256MiB"),
+        ),
+    ] = None,
     budget: Annotated[
         str | None,
-        typer.Option(help="CUDA budget: total (the card) or free (what other processes leave)."),
+        typer.Option(
+            metavar="total|free",
+            help="CUDA budget: total (the card) or free (what other processes leave).  "
+            + _DEFAULT_NOTE.format("AUTOTUNE_BUDGET, total"),
+        ),
     ] = None,
     headroom: Annotated[
         str | None,
-        typer.Option(help="Kept free: a fraction (0.05, 5%) or a size (2GiB). Default 5%."),
+        typer.Option(
+            metavar="F|SIZE",
+            help="Kept free: a fraction (0.05, 5%) or a size (2GiB).  " + _DEFAULT_NOTE.format("AUTOTUNE_HEADROOM, 5%"),
+        ),
     ] = None,
     precision: Annotated[
-        str | None, typer.Option(help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler).")
+        str | None,
+        typer.Option(
+            metavar="fp32|bf16|fp16",
+            help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler).  " + _DEFAULT_NOTE.format("the workload's"),
+        ),
     ] = None,
-    optimizer: Annotated[str | None, typer.Option(help="sgd, adam or adamw.")] = None,
-    steps: Annotated[int, typer.Option(help="Training steps per trial (2: the second is the steady state).")] = 2,
-    max_batch: Annotated[int | None, typer.Option(help="Never try more than this.")] = None,
-    start_batch: Annotated[int, typer.Option(help="First size to try.")] = 1,
-    granularity: Annotated[int, typer.Option(help="Only try multiples of this (e.g. 8).")] = 1,
-    effective_batch: Annotated[int | None, typer.Option(help="Plan accumulation for this effective batch.")] = None,
-    world_size: Annotated[int, typer.Option(help="Data-parallel ranks.")] = 1,
-    policy: Annotated[str, typer.Option(help="fewest-steps or exact.")] = Policy.FEWEST_STEPS.value,
+    optimizer: Annotated[
+        str | None,
+        typer.Option(
+            metavar="sgd|adam|adamw",
+            help="Override the workload's optimizer.  " + _DEFAULT_NOTE.format("the workload's"),
+        ),
+    ] = None,
+    steps: Annotated[
+        int,
+        typer.Option(metavar="N", min=1, max=100, help="Training steps per trial (2: the second is the steady state)."),
+    ] = 2,
+    max_batch: Annotated[
+        int | None,
+        typer.Option(metavar="N", min=1, help="Never try more than this.  " + _DEFAULT_NOTE.format("no cap")),
+    ] = None,
+    start_batch: Annotated[int, typer.Option(metavar="N", min=1, help="First size to try.")] = 1,
+    granularity: Annotated[int, typer.Option(metavar="G", min=1, help="Only try multiples of this (e.g. 8).")] = 1,
+    effective_batch: Annotated[
+        int | None,
+        typer.Option(
+            metavar="E", min=1, help="Plan accumulation for this effective batch.  " + _DEFAULT_NOTE.format("no plan")
+        ),
+    ] = None,
+    world_size: Annotated[int, typer.Option(metavar="W", min=1, help="Data-parallel ranks.")] = 1,
+    policy: Annotated[
+        str, typer.Option(metavar="fewest-steps|exact", help="How the plan splits the effective batch.")
+    ] = Policy.FEWEST_STEPS.value,
     option: Annotated[
         list[str] | None,
-        typer.Option("--option", "-o", help="Workload option key=value (repeatable)."),
+        typer.Option("--option", "-o", metavar="KEY=VALUE", help="Workload option (repeatable)."),
     ] = None,
     in_process: Annotated[
         bool,
         typer.Option("--in-process", help="Run in this process (debugging); default is an isolated child."),
     ] = False,
-    timeout: Annotated[float | None, typer.Option(help="Seconds before the isolated probe is killed.")] = None,
-    min_free_memory: Annotated[
-        str | None, typer.Option(help="Refuse to probe a GPU with less free memory than this.")
+    timeout: Annotated[
+        float | None,
+        typer.Option(
+            metavar="SECONDS",
+            help="Seconds before the isolated probe (and each confirmation run) is killed.  "
+            + _DEFAULT_NOTE.format("AUTOTUNE_PROBE_TIMEOUT, 900"),
+        ),
     ] = None,
-    json_output: Annotated[bool, typer.Option("--json", help="Print the result as one JSON document.")] = False,
+    min_free_memory: Annotated[
+        str | None,
+        typer.Option(
+            metavar="SIZE",
+            help="Refuse to probe a GPU with less free memory than this (0: never refuse).  "
+            + _DEFAULT_NOTE.format("AUTOTUNE_MIN_FREE_MEMORY, 1GiB"),
+        ),
+    ] = None,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print the result (or the error) as one JSON document on stdout.")
+    ] = False,
     publish: Annotated[
         str | None,
-        typer.Option(help="Post the result to the autotune service at this URL (token: AUTOTUNE_TOKEN)."),
+        typer.Option(
+            metavar="URL", help="Post the result to the autotune service at this URL (token: AUTOTUNE_TOKEN)."
+        ),
     ] = None,
     search: Annotated[
-        str, typer.Option(help="predict (two timeline trials predict, two verify) or plain (double, then bisect).")
+        str,
+        typer.Option(
+            metavar="predict|plain", help="predict (two timeline trials predict, two verify) or plain (double, bisect)."
+        ),
     ] = "predict",
     objective: Annotated[
-        str, typer.Option(help="memory (the largest that fits) or throughput (the fastest fitting one for the plan).")
+        str,
+        typer.Option(
+            metavar="memory|throughput",
+            help="memory (the largest that fits) or throughput (the fastest fitting one for the plan).",
+        ),
     ] = "memory",
     plot: Annotated[
-        str | None, typer.Option(help="Write a PNG of memory against batch size (needs the plot extra).")
+        str | None,
+        typer.Option(metavar="FILE.png", help="Write a PNG of memory against batch size (needs the plot extra)."),
     ] = None,
     prefetch: Annotated[
-        int, typer.Option(help="Further batches your loader holds on the device during a step (e.g. 1 for Accelerate).")
+        int,
+        typer.Option(
+            metavar="N",
+            min=0,
+            max=16,
+            help="Further batches your loader holds on the device during a step (e.g. 1 for Accelerate).",
+        ),
     ] = 0,
     confirm: Annotated[
         bool,
         typer.Option("--confirm/--no-confirm", help="Run the answer again in a fresh process after the search."),
     ] = True,
-    confirm_steps: Annotated[int, typer.Option(help="Optimizer steps of each fresh-process confirmation run.")] = 2,
+    confirm_steps: Annotated[
+        int, typer.Option(metavar="N", min=1, max=100, help="Optimizer steps of each fresh-process confirmation run.")
+    ] = 2,
 ) -> None:
-    """Probe the largest micro-batch of TARGET that fits within the budget."""
+    """Probe the largest micro-batch of TARGET that fits within the budget, and plan accumulation
+    for --effective-batch. TARGET is a built-in example (mlp, cnn, gpt) or module:attribute naming a
+    Workload (or a function of -o options returning one).
+
+    Exit codes: 0 with an answer, 1 when the probe could not answer, 2 for bad input."""
+    # Every check that needs no torch comes first: bad input answers at once.
     if publish is not None and not publish.startswith(("http://", "https://")):
         raise ConfigError(f"--publish {publish!r} must be the service's URL, e.g. http://autotune:8000")
+    if timeout is not None:
+        _check_timeout(timeout, "--timeout")
+    _device(device)
+    pairs = _check_options(option)
+    fields: dict[str, Any] = dict(
+        target=target,
+        device=device,
+        memory=_size("--memory", memory),
+        budget=_choice(budget, ("total", "free"), "--budget"),
+        headroom=_headroom("--headroom", headroom),
+        precision=_choice(precision, ("fp32", "bf16", "fp16"), "--precision"),
+        optimizer=_choice(optimizer.lower() if optimizer else optimizer, ("sgd", "adam", "adamw"), "--optimizer"),
+        steps=steps,
+        max_batch=max_batch,
+        start_batch=start_batch,
+        granularity=granularity,
+        effective_batch=effective_batch,
+        world_size=world_size,
+        policy=_policy(policy),
+        min_free_memory=_size("--min-free-memory", min_free_memory, allow_zero=True),
+        search=_choice(search, ("plain", "predict"), "--search"),
+        objective=_choice(objective, ("memory", "throughput"), "--objective"),
+        prefetch=prefetch,
+        confirm=confirm,
+        confirm_steps=confirm_steps,
+    )
+    if max_batch is not None and max_batch < granularity:
+        raise ConfigError(f"--max-batch {max_batch} is below --granularity {granularity}: raise --max-batch")
+    if effective_batch is not None:
+        _check_effective_batch(effective_batch, world_size, max_batch)
+    if plot is not None:
+        from autotune.plot import check_plot_path, require_matplotlib
+
+        check_plot_path(plot)
+        require_matplotlib()
+    settings = _settings()
+    if timeout is None:
+        _check_timeout(settings.probe_timeout, "AUTOTUNE_PROBE_TIMEOUT")
+
+    from autotune.probe import ProbeRequest, load_workload  # torch: only now
+
     try:
-        request = ProbeRequest.model_validate(
-            dict(
-                target=target,
-                options=parse_options(option or []),
-                device=device,
-                memory=parse_size(memory) if memory else None,
-                budget=_choice(budget, ("total", "free"), "--budget"),
-                headroom=parse_headroom(headroom) if headroom is not None else None,
-                precision=_choice(precision, ("fp32", "bf16", "fp16"), "--precision"),
-                optimizer=_choice(optimizer.lower() if optimizer else None, ("sgd", "adam", "adamw"), "--optimizer"),
-                steps=steps,
-                max_batch=max_batch,
-                start_batch=start_batch,
-                granularity=granularity,
-                effective_batch=effective_batch,
-                world_size=world_size,
-                policy=parse_policy(policy),
-                min_free_memory=parse_size(min_free_memory) if min_free_memory else None,
-                search=_choice(search, ("plain", "predict"), "--search"),
-                objective=_choice(objective, ("memory", "throughput"), "--objective"),
-                prefetch=prefetch,
-                confirm=confirm,
-                confirm_steps=confirm_steps,
-            )
-        )
+        request = ProbeRequest.model_validate({**fields, "options": _options(pairs)})
     except ValueError as exc:  # pydantic's ValidationError
         raise ConfigError(_validation_message(exc)) from None
-    if effective_batch is not None:
-        plan(effective_batch, 1, world_size, request.policy)  # fail fast on an impossible plan
-    if plot is not None:
-        from autotune.plot import require_matplotlib
-
-        require_matplotlib()
-
     load_workload(request)  # bad targets and options fail here, before any process starts
-    result = _run_with_progress(request, in_process, timeout)
+    result = _run_with_progress(request, in_process, timeout if timeout is not None else settings.probe_timeout)
     if json_output:
-        sys.stdout.write(result.model_dump_json(indent=2) + "\n")
+        _emit_json(result.model_dump_json(indent=2))
     else:
         _print_summary(result)
     if plot is not None:
         from autotune.plot import write_plot
 
-        err.print(f"plot written to {write_plot(result, plot)}", highlight=False)
+        err.print(f"plot written to {write_plot(result, plot)}", highlight=False, markup=False)
     if publish is not None:
         from autotune.client import publish_result
 
-        fingerprint = publish_result(publish, result, token=get_settings().token)
-        err.print(f"published to {publish} (fingerprint {fingerprint[:16]})", highlight=False)
+        fingerprint = publish_result(publish, result, token=settings.token)
+        err.print(f"published to {publish} (fingerprint {fingerprint[:16]})", highlight=False, markup=False)
 
 
-def _run_with_progress(request: ProbeRequest, in_process: bool, timeout: float | None) -> ProbeResult:
+def _run_with_progress(request: ProbeRequest, in_process: bool, timeout: float) -> ProbeResult:
     """Run the probe, showing each trial as it finishes: a live table on a terminal, one line
     per trial otherwise (logs, CI)."""
     trials: list[TrialRecord] = []
@@ -244,7 +384,7 @@ def _run_with_progress(request: ProbeRequest, in_process: bool, timeout: float |
 
         return probe_and_confirm(
             request,
-            timeout=timeout or get_settings().probe_timeout,
+            timeout=timeout,
             in_process=in_process,
             on_trial=on_trial,
             on_run=confirming,
@@ -257,6 +397,7 @@ def _run_with_progress(request: ProbeRequest, in_process: bool, timeout: float |
             f"confirm: batch {t.batch} in a fresh process ({loop} per optimizer step): {verdict}, "
             f"peak {format_bytes(t.peak_reserved_bytes)}, {t.seconds:.2f} s",
             highlight=False,
+            markup=False,
         )
 
     if not err.is_terminal:
@@ -267,10 +408,13 @@ def _run_with_progress(request: ProbeRequest, in_process: bool, timeout: float |
                 f"trial {len(trials) + 1:3d}: batch {t.batch:6d} x{t.micro_steps} {verdict} "
                 f"peak {format_bytes(t.peak_reserved_bytes):>10} {t.seconds:6.2f} s",
                 highlight=False,
+                markup=False,
             )
             trials.append(t)
 
         return run(log)
+    from rich.live import Live
+
     with Live(_trial_table(trials, title), console=err, auto_refresh=False) as live:
 
         def show(t: TrialRecord) -> None:
@@ -285,7 +429,7 @@ def _confirmation_lines(result: ProbeResult) -> list[str]:
     if c is None:
         return ["  unconfirmed: this result has no fresh-process confirmation"]
     if c.status == "skipped":
-        return [f"  {c.note}"]
+        return [f"  {escape(c.note or '')}"]
     lines = []
     for check in c.checks:
         sizes = ", ".join(f"{r.batch} {'fits' if r.fits else 'OOM'}" for r in check.runs)
@@ -294,7 +438,7 @@ def _confirmation_lines(result: ProbeResult) -> list[str]:
             f"({check.loop.micro_steps} micro-step(s) × {check.loop.steps} optimizer steps; runs: {sizes})"
         )
     if c.status == "stepped-down":
-        lines.append(f"  [yellow]stepped down:[/] {c.note}")
+        lines.append(f"  [yellow]stepped down:[/] {escape(c.note or '')}")
     return lines
 
 
@@ -309,7 +453,7 @@ def _prediction_lines(result: ProbeResult) -> list[str]:
                 f"({verdict}; the {p.probe_trials} timeline trials are counted above)"
             )
         if p.fallback_reason:
-            lines.append(f"  [yellow]plain search:[/] {p.fallback_reason}")
+            lines.append(f"  [yellow]plain search:[/] {escape(p.fallback_reason)}")
     c = result.throughput
     if c is not None:
         unit = "per optimizer step" if c.basis == "optimizer-step" else "per sample"
@@ -320,51 +464,60 @@ def _prediction_lines(result: ProbeResult) -> list[str]:
     return lines
 
 
-@app.command("plan")
+@app.command("plan", short_help="Plan micro-batches and accumulation steps for an effective batch.")
 def plan_command(
-    effective_batch: Annotated[int, typer.Option(help="The effective batch to reach.")],
-    max_micro_batch: Annotated[int, typer.Option(help="The largest micro-batch that fits.")],
-    world_size: Annotated[int, typer.Option(help="Data-parallel ranks.")] = 1,
-    policy: Annotated[str, typer.Option(help="fewest-steps or exact.")] = Policy.FEWEST_STEPS.value,
-    json_output: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    effective_batch: Annotated[int, typer.Option(metavar="E", min=1, help="The effective batch to reach.")],
+    max_micro_batch: Annotated[int, typer.Option(metavar="N", min=1, help="The largest micro-batch that fits.")],
+    world_size: Annotated[int, typer.Option(metavar="W", min=1, help="Data-parallel ranks.")] = 1,
+    policy: Annotated[
+        str, typer.Option(metavar="fewest-steps|exact", help="How the plan splits the effective batch.")
+    ] = Policy.FEWEST_STEPS.value,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the plan (or the error) as JSON.")] = False,
 ) -> None:
-    """Plan micro-batches and accumulation steps for an effective batch."""
-    p = plan(effective_batch, max_micro_batch, world_size, parse_policy(policy))
+    """Plan micro-batches and accumulation steps for an effective batch: E = sum of the
+    micro-batches × W, each at most --max-micro-batch."""
+    chosen = _policy(policy)
+    _check_multiple(effective_batch, world_size)
+    _check_plan_steps(effective_batch, max_micro_batch, world_size, chosen)
+    p = plan(effective_batch, max_micro_batch, world_size, chosen)
     if json_output:
-        sys.stdout.write(p.model_dump_json(indent=2) + "\n")
+        _emit_json(p.model_dump_json(indent=2))
     else:
         for line in _plan_lines(p):
             out.print(line)
 
 
-@app.command()
+@app.command(short_help="List the GPUs NVML sees, with memory and processes.")
 def devices(
     json_output: Annotated[bool, typer.Option("--json", help="Print the inventory as one JSON document.")] = False,
 ) -> None:
-    """List the GPUs NVML sees: memory (v2 with reserved where the driver has it), compute
-    processes and MIG instances. Exits 1 when NVML cannot be read (the reason says why)."""
+    """List the GPUs NVML sees: memory (v2 with reserved where the driver has it), compute processes
+    and MIG instances. Exits 1 when NVML cannot be read (the reason says why)."""
     from autotune.devices_view import print_inventory
     from autotune.nvml import inventory
 
     inv = inventory()
     if json_output:
-        sys.stdout.write(inv.model_dump_json(indent=2) + "\n")
+        _emit_json(inv.model_dump_json(indent=2))
     else:
         print_inventory(inv, out, err)
     if not inv.available:
         sys.exit(1)  # not typer.Exit: main() runs click with standalone_mode=False, which drops its code
 
 
-@app.command()
+@app.command(short_help="Run the autotune service (needs the server extra).")
 def serve(
-    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    host: Annotated[str, typer.Option(metavar="HOST", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(metavar="PORT", min=1, max=65535, help="Port to listen on.")] = 8000,
     workers: Annotated[
         int,
-        typer.Option(min=1, max=64, help="Server processes on this node; they share the store (AUTOTUNE_DB)."),
+        typer.Option(
+            metavar="N", min=1, max=64, help="Server processes on this node; they share the store (AUTOTUNE_DB)."
+        ),
     ] = 1,
 ) -> None:
     """Run the autotune service (AUTOTUNE_* settings; needs the `server` extra)."""
+    _settings()
     try:
         from api.server import serve as run_server
     except ImportError as exc:
@@ -374,50 +527,83 @@ def serve(
     run_server(host=host, port=port, workers=workers)
 
 
-@app.command()
+@app.command(short_help="Estimate the largest micro-batch for a memory size, without a GPU.")
 def estimate(
-    target: Annotated[str, typer.Argument(help="Built-in example (mlp, cnn, gpt) or module:attribute.")],
-    memory: Annotated[str, typer.Option(help="The device's memory, e.g. 80GiB.")],
+    target: Annotated[
+        str, typer.Argument(metavar="TARGET", help="Built-in example (mlp, cnn, gpt) or module:attribute.")
+    ],
+    memory: Annotated[str, typer.Option(metavar="SIZE", help="The device's memory, e.g. 80GiB.")],
     precision: Annotated[
-        str | None, typer.Option(help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler).")
+        str | None,
+        typer.Option(
+            metavar="fp32|bf16|fp16",
+            help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler).  " + _DEFAULT_NOTE.format("the workload's"),
+        ),
     ] = None,
-    optimizer: Annotated[str | None, typer.Option(help="sgd, adam or adamw.")] = None,
+    optimizer: Annotated[
+        str | None,
+        typer.Option(
+            metavar="sgd|adam|adamw",
+            help="Override the workload's optimizer.  " + _DEFAULT_NOTE.format("the workload's"),
+        ),
+    ] = None,
     headroom: Annotated[
-        str | None, typer.Option(help="Kept free: a fraction (0.05, 5%) or a size (2GiB). Default 5%.")
+        str | None,
+        typer.Option(
+            metavar="F|SIZE",
+            help="Kept free: a fraction (0.05, 5%) or a size (2GiB).  " + _DEFAULT_NOTE.format("AUTOTUNE_HEADROOM, 5%"),
+        ),
     ] = None,
     overhead: Annotated[
         str | None,
-        typer.Option(help="Subtracted for the CUDA context, workspaces and fragmentation. Default 768MiB."),
+        typer.Option(
+            metavar="SIZE",
+            help="Subtracted for the CUDA context, workspaces and fragmentation.  " + _DEFAULT_NOTE.format("768MiB"),
+        ),
     ] = None,
-    steps: Annotated[int, typer.Option(help="Training steps per trial.")] = 2,
-    max_batch: Annotated[int | None, typer.Option(help="Never consider more than this.")] = None,
-    granularity: Annotated[int, typer.Option(help="Only consider multiples of this.")] = 1,
+    steps: Annotated[int, typer.Option(metavar="N", min=1, max=100, help="Training steps per trial.")] = 2,
+    max_batch: Annotated[
+        int | None,
+        typer.Option(metavar="N", min=1, help="Never consider more than this.  " + _DEFAULT_NOTE.format("no cap")),
+    ] = None,
+    granularity: Annotated[int, typer.Option(metavar="G", min=1, help="Only consider multiples of this.")] = 1,
     option: Annotated[
         list[str] | None,
-        typer.Option("--option", "-o", help="Workload option key=value (repeatable)."),
+        typer.Option("--option", "-o", metavar="KEY=VALUE", help="Workload option (repeatable)."),
     ] = None,
-    json_output: Annotated[bool, typer.Option("--json", help="Print the estimate as one JSON document.")] = False,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print the estimate (or the error) as one JSON document.")
+    ] = False,
 ) -> None:
     """Estimate the largest micro-batch of TARGET for a memory size, without a GPU (fake tensors)."""
-    from autotune.estimate import CUDA_OVERHEAD_BYTES
+    memory_bytes = _size("--memory", memory)
+    assert memory_bytes is not None
+    pairs = _check_options(option)
+    chosen_precision = _choice(precision, ("fp32", "bf16", "fp16"), "--precision")
+    chosen_optimizer = _choice(optimizer.lower() if optimizer else optimizer, ("sgd", "adam", "adamw"), "--optimizer")
+    room = _headroom("--headroom", headroom)
+    overhead_bytes = _size("--overhead", overhead, allow_zero=True)
+    if max_batch is not None and max_batch < granularity:
+        raise ConfigError(f"--max-batch {max_batch} is below --granularity {granularity}: raise --max-batch")
+    _settings()
+
+    from autotune.estimate import CUDA_OVERHEAD_BYTES  # torch: only now
     from autotune.estimate import estimate as run_estimate
 
-    if steps < 1 or granularity < 1:
-        raise ConfigError("--steps and --granularity must be at least 1")
     result = run_estimate(
         target,
-        parse_size(memory),
-        options=parse_options(option or []),
-        precision=_choice(precision, ("fp32", "bf16", "fp16"), "--precision"),
-        optimizer=_choice(optimizer.lower() if optimizer else None, ("sgd", "adam", "adamw"), "--optimizer"),
-        headroom=parse_headroom(headroom) if headroom is not None else None,
-        overhead_bytes=_overhead(overhead, CUDA_OVERHEAD_BYTES),
+        memory_bytes,
+        options=_options(pairs),
+        precision=chosen_precision,
+        optimizer=chosen_optimizer,
+        headroom=room,
+        overhead_bytes=CUDA_OVERHEAD_BYTES if overhead_bytes is None else overhead_bytes,
         steps=steps,
         max_batch=max_batch,
         granularity=granularity,
     )
     if json_output:
-        sys.stdout.write(result.model_dump_json(indent=2) + "\n")
+        _emit_json(result.model_dump_json(indent=2))
         return
     out.print(
         f"[bold]estimated max micro-batch: {result.max_micro_batch}[/]"
@@ -432,7 +618,7 @@ def estimate(
     if result.predicted_max_micro_batch is not None:
         out.print(f"  the two timeline trials predicted {result.predicted_max_micro_batch}")
     if result.fallback_reason:
-        out.print(f"  [yellow]plain search:[/] {result.fallback_reason}")
+        out.print(f"  [yellow]plain search:[/] {escape(result.fallback_reason)}")
     if result.curve:
         table = Table(title="predicted peak memory", title_justify="left")
         table.add_column("micro-batch", justify="right")
@@ -445,16 +631,13 @@ def estimate(
     out.print(f"  {len(result.trials)} fake trials in {result.seconds:.1f} s")
 
 
-def _overhead(text: str | None, default: int) -> int:
-    if text is None:
-        return default
-    return 0 if text.strip() == "0" else parse_size(text)
-
-
-@app.command()
+@app.command(short_help="Print the version.")
 def version() -> None:
-    """Print the version."""
-    out.print(__version__)
+    """Print the version (as --version does)."""
+    out.print(__version__, markup=False, highlight=False)
+
+
+# --- checks of flags and variables: each error names the flag (or variable) and the fix --------------
 
 
 def _choice(value: str | None, choices: tuple[str, ...], flag: str) -> str | None:
@@ -463,26 +646,228 @@ def _choice(value: str | None, choices: tuple[str, ...], flag: str) -> str | Non
     return value
 
 
+def _policy(value: str) -> Policy:
+    try:
+        return parse_policy(value)
+    except PlanError as exc:
+        raise ConfigError(f"--policy: {exc}") from None
+
+
+def _device(spec: str | None) -> None:
+    """The same rule as autotune.probe.parse_device, without importing torch first."""
+    if spec is None:
+        return
+    text = spec.strip().lower()
+    if text in ("cpu", "cuda") or (text.startswith("cuda:") and text[5:].isascii() and text[5:].isdigit()):
+        return
+    raise ConfigError(f"--device: unknown device {spec!r}: use cuda, cuda:N or cpu")
+
+
+def _size(flag: str, text: str | None, *, allow_zero: bool = False) -> int | None:
+    if text is None:
+        return None
+    if not text.strip():
+        raise ConfigError(f"{flag} is empty: give a size with its unit, for example 512MiB or 24GiB")
+    try:
+        return parse_size(text, allow_zero=allow_zero)
+    except ConfigError as exc:
+        raise ConfigError(f"{flag}: {exc}") from None
+
+
+def _headroom(flag: str, text: str | None) -> float | int | None:
+    if text is None:
+        return None
+    if not text.strip():
+        raise ConfigError(f"{flag} is empty: give a fraction (0.05, 5%) or a size (2GiB)")
+    try:
+        return parse_headroom(text)
+    except ConfigError as exc:
+        raise ConfigError(f"{flag}: {exc}") from None
+
+
+def _check_options(pairs: list[str] | None) -> list[str]:
+    """The -o pairs, checked as autotune.workload.parse_options will parse them (it imports torch)."""
+    for pair in pairs or []:
+        key, sep, _ = pair.partition("=")
+        if not sep or not key.strip():
+            raise WorkloadError(f"-o/--option {pair!r} is not key=value (for example -o seq_len=512)")
+    return list(pairs or [])
+
+
+def _options(pairs: list[str]) -> dict[str, Any]:
+    from autotune.workload import parse_options  # imports torch
+
+    return dict(parse_options(pairs))
+
+
+def _check_timeout(seconds: float, name: str) -> None:
+    if math.isfinite(seconds) and seconds > 0:
+        return
+    if name.startswith("--"):
+        raise ConfigError(
+            f"{name} {seconds:g} is not a number of seconds above 0: give one, for example {name} 900, "
+            "or leave it out for AUTOTUNE_PROBE_TIMEOUT (900 s)"
+        )
+    raise ConfigError(
+        f"environment variable {name}={os.environ.get(name, str(seconds))!r} is not a finite number of seconds "
+        "above 0: fix it (900 is the default) or unset it"
+    )
+
+
+def _check_multiple(effective_batch: int, world_size: int) -> None:
+    if effective_batch % world_size:
+        lower = effective_batch // world_size * world_size
+        hint = f"{lower} or {lower + world_size}" if lower else str(world_size)
+        raise ConfigError(
+            f"--effective-batch {effective_batch} is not a multiple of --world-size {world_size}: every rank "
+            f"runs the same micro-batches; use {hint}"
+        )
+
+
+def _planned_steps(per_rank: int, max_micro_batch: int, policy: Policy) -> int | None:
+    """The plan's accumulation steps, or None when there would be more than MAX_ACCUMULATION_STEPS
+    (found without building the plan: its list is what must not be built)."""
+    fewest = -(-per_rank // max_micro_batch)
+    if policy is Policy.FEWEST_STEPS or fewest > MAX_ACCUMULATION_STEPS:
+        return fewest if fewest <= MAX_ACCUMULATION_STEPS else None
+    # exact: the fewest steps a >= fewest that divide the per-rank batch.
+    return next((a for a in range(fewest, min(per_rank, MAX_ACCUMULATION_STEPS) + 1) if per_rank % a == 0), None)
+
+
+def _check_plan_steps(effective_batch: int, max_micro_batch: int, world_size: int, policy: Policy) -> None:
+    per_rank = effective_batch // world_size
+    if _planned_steps(per_rank, max_micro_batch, policy) is not None:
+        return
+    fewest = -(-per_rank // max_micro_batch)
+    ranks = f" over --world-size {world_size}" if world_size > 1 else ""
+    if fewest <= MAX_ACCUMULATION_STEPS:  # only policy exact goes past the bound
+        raise ConfigError(
+            f"--policy exact needs more than {MAX_ACCUMULATION_STEPS:,} accumulation steps for --effective-batch "
+            f"{effective_batch}{ranks} (no micro-batch of at most {max_micro_batch} divides {per_rank} in fewer): "
+            f"use --policy fewest-steps ({fewest} steps)"
+        )
+    raise ConfigError(
+        f"--effective-batch {effective_batch}{ranks} with micro-batches of at most {max_micro_batch} needs "
+        f"{fewest:,} accumulation steps, more than the {MAX_ACCUMULATION_STEPS:,} planned: check the number, or "
+        "raise the micro-batch"
+    )
+
+
+def _check_effective_batch(effective_batch: int, world_size: int, max_batch: int | None) -> None:
+    """What can be checked of a probe's plan before the probe: the multiple, the size per rank, and
+    the number of steps when --max-batch bounds the answer."""
+    _check_multiple(effective_batch, world_size)
+    per_rank = effective_batch // world_size
+    if max_batch is not None and -(-per_rank // max_batch) > MAX_ACCUMULATION_STEPS:
+        _check_plan_steps(effective_batch, max_batch, world_size, Policy.FEWEST_STEPS)
+    if per_rank > MAX_SAMPLES_PER_RANK:
+        raise ConfigError(
+            f"--effective-batch {effective_batch} is {per_rank:,} samples per rank, more than the "
+            f"{MAX_SAMPLES_PER_RANK:,} a probe plans for: check the number"
+        )
+
+
+def _settings() -> Settings:
+    """The AUTOTUNE_* settings, or a ConfigError naming the variable that is wrong and its value."""
+    from autotune.settings import get_settings
+
+    try:
+        return get_settings()
+    except (AutotuneError, ValueError) as exc:
+        raise ConfigError(_environment_message(exc)) from None
+
+
+def _environment_message(exc: Exception) -> str:
+    from autotune.settings import Settings
+
+    found = []
+    blank = Settings.model_construct()
+    for key, value in sorted(os.environ.items()):
+        name = key.lower().removeprefix("autotune_")
+        if not key.upper().startswith("AUTOTUNE_") or name not in Settings.model_fields:
+            continue
+        try:
+            Settings.__pydantic_validator__.validate_assignment(blank, name, value)
+        except (AutotuneError, ValueError) as bad:
+            errors = getattr(bad, "errors", None)
+            reason = errors()[0]["msg"] if callable(errors) else str(bad)
+            found.append(f"environment variable {key}={value!r}: {reason}")
+    if not found:
+        return f"bad AUTOTUNE_* environment variable: {' '.join(str(exc).split())}"
+    return "; ".join(found) + ": fix it or unset it"
+
+
+def _flag(field: str) -> str:
+    return {"target": "TARGET", "options": "-o/--option"}.get(field, "--" + field.replace("_", "-"))
+
+
 def _validation_message(exc: ValueError) -> str:
     errors = getattr(exc, "errors", None)
     if callable(errors):
-        parts = [f"{'.'.join(map(str, e['loc'])) or 'input'}: {e['msg']}" for e in errors()]
-        return "invalid input: " + "; ".join(parts)
+        parts = [f"{_flag(str(e['loc'][0])) if e['loc'] else 'input'}: {e['msg']}" for e in errors()]
+        return "; ".join(parts)
     return str(exc)
 
 
-def main() -> None:
-    """Console entry point: our errors become one line on stderr and an exit code.
+# --- the entry point ----------------------------------------------------------------------------------
 
-    Usage errors (a missing argument, an unknown flag) are click's: it prints them and exits 2."""
+# Click's exception classes (recent typer vendors click, older typer uses click itself), found from a
+# public name so that this works with both.
+_CLICK_ERROR: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
+def _wants_json(args: Sequence[str]) -> bool:
+    return "--json" in (args[: args.index("--")] if "--" in args else args)
+
+
+_emitted: list[bool] = []  # a JSON document went to stdout in this run (one document, never two)
+
+
+def _emit_json(text: str) -> None:
+    sys.stdout.write(text + "\n")
+    _emitted.append(True)
+
+
+def _fail(message: str, code: int, label: str, data: dict[str, Any], as_json: bool) -> int:
+    err.print(f"[red]{label}:[/] {escape(message)}", highlight=False)
+    if as_json and not _emitted:  # after the result (a plot or publish failed), stderr says it
+        _emit_json(json.dumps({"error": {**data, "exit_code": code}}, indent=2))
+    return code
+
+
+def run(args: Sequence[str]) -> int:
+    """Run the CLI on `args` (without the program name) and return its exit code: 0, 1 when a probe
+    (or the service, or a device) failed, 2 for bad input. Messages go to stderr, one line each."""
+    args = list(args)
+    as_json = _wants_json(args)
+    _emitted.clear()
     try:
-        app()
+        code = typer.main.get_command(app).main(args, prog_name="autotune", standalone_mode=False)
     except ConfigError as exc:
-        err.print(f"[red]error:[/] {exc}", highlight=False)
-        sys.exit(2)
+        return _fail(str(exc), 2, "error", report(exc), as_json)
+    except ProbeError as exc:
+        return _fail(str(exc), 1, "probe failed", report(exc), as_json)
     except AutotuneError as exc:
-        err.print(f"[red]probe failed:[/] {exc}", highlight=False)
-        sys.exit(1)
+        return _fail(str(exc), 1, "error", report(exc), as_json)
+    except _CLICK_ERROR as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # bare `autotune`: the help, as click prints it
+            exc.show()  # type: ignore[attr-defined]
+            return int(getattr(exc, "exit_code", 2))
+        message = " ".join(exc.format_message().split()).rstrip(".")  # type: ignore[attr-defined]
+        context = getattr(exc, "ctx", None)
+        where = f"; see '{context.command_path} --help'" if context is not None else ""
+        data = {"type": "UsageError", "message": message}
+        return _fail(message + where, int(getattr(exc, "exit_code", 2)), "error", data, as_json)
+    except typer.Abort:
+        err.print("aborted", highlight=False, markup=False)
+        return 130
+    return code if isinstance(code, int) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console entry point: exits with `run`'s code. Our errors and click's usage errors become one
+    line on stderr (and a JSON error document on stdout with --json)."""
+    sys.exit(run(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

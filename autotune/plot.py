@@ -21,6 +21,7 @@ from autotune.results import ProbeResult
 from autotune.units import format_bytes
 
 MIB = 2**20
+FORMATS = (".png",)  # what render_plot draws; the service serves the same PNG
 
 
 def require_matplotlib() -> None:
@@ -112,8 +113,43 @@ def render_plot(result: ProbeResult) -> bytes:
     return buffer.getvalue()
 
 
+def check_plot_path(path: str | Path, flag: str = "--plot") -> Path:
+    """The path a plot will be written to, refused now (before a probe spends minutes) when it
+    cannot be: empty, not a .png, a directory, in a directory that does not exist or that this user
+    cannot write. A ConfigError names `flag` and says what to do."""
+    text = str(path)
+    if not text.strip():
+        raise ConfigError(f"{flag} is empty: give the PNG file to write, for example {flag} probe.png")
+    target = Path(text).expanduser()
+    if target.is_dir():
+        raise ConfigError(f"{flag} {text!r} is a directory: name a file in it, for example {target / 'probe.png'}")
+    if target.suffix.lower() not in FORMATS:
+        shown = f"the extension {target.suffix!r}" if target.suffix else "no extension"
+        raise ConfigError(
+            f"{flag} {text!r} has {shown}: the plot is a PNG, so name the file {target.with_suffix('.png')}"
+        )
+    parent = target.parent
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise ConfigError(f"{flag} {text!r}: {parent} {what}: create it first or write the plot elsewhere")
+    # Open it as the write will (permissions, a read-only file system, /proc), leaving no trace.
+    existed = target.exists()
+    try:
+        with open(target, "ab" if existed else "xb"):
+            pass
+        if not existed:
+            target.unlink()
+    except OSError as exc:
+        raise ConfigError(f"{flag} {text!r} cannot be written: {exc.strerror or exc}; choose another path") from None
+    return target
+
+
 def write_plot(result: ProbeResult, path: str | Path) -> Path:
-    """Render and write the PNG; returns the path written."""
-    target = Path(path)
-    target.write_bytes(render_plot(result))
+    """Render and write the PNG; returns the path written. An unwritable path is a ConfigError."""
+    target = Path(path).expanduser()
+    png = render_plot(result)
+    try:
+        target.write_bytes(png)
+    except OSError as exc:
+        raise ConfigError(f"cannot write the plot to {str(path)!r}: {exc.strerror or exc}") from None
     return target

@@ -45,17 +45,23 @@ class Settings(BaseSettings):
     cpu_memory: int = Field(default=256 * 2**20, description="bytes")
     budget: Literal["total", "free"] = "total"
     headroom: float | int = 0.05
-    probe_timeout: float = Field(default=900.0, gt=0)
+    probe_timeout: float = Field(default=900.0, gt=0, allow_inf_nan=False)
     min_free_memory: int = Field(default=2**30, ge=0)
     # The service's bounds. The budget device really allocates what it simulates, so a request
     # for a huge one would exhaust the server's RAM: the service caps it.
     max_body: int = Field(default=2**20, ge=1024, description="bytes")
     max_cpu_memory: int = Field(default=8 * 2**30, ge=2**20, description="bytes")
 
-    @field_validator("cpu_memory", "min_free_memory", "max_body", "max_cpu_memory", mode="before")
+    @field_validator("cpu_memory", "max_body", "max_cpu_memory", mode="before")
     @classmethod
     def _size(cls, value: object) -> int:
         return parse_size(value if isinstance(value, int) else str(value))
+
+    @field_validator("min_free_memory", mode="before")
+    @classmethod
+    def _size_or_zero(cls, value: object) -> int:
+        # 0 is meaningful here: never refuse to start a probe for lack of free memory.
+        return parse_size(value if isinstance(value, int) else str(value), allow_zero=True)
 
     @field_validator("db", mode="before")
     @classmethod

@@ -26,9 +26,9 @@ _UNITS: dict[str, int] = {
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_size(text: str | int) -> int:
+def parse_size(text: str | int, *, allow_zero: bool = False) -> int:
     """Parse a byte size. Binary units (KiB, MiB, GiB) and bare K/M/G are powers of 1024;
-    KB/MB/GB are powers of 1000, as the SI says."""
+    KB/MB/GB are powers of 1000, as the SI says. Zero ("0", "0GiB") only with `allow_zero`."""
     if isinstance(text, int):
         if text < 0:
             raise ConfigError(f"size must be positive, got {text}")
@@ -39,6 +39,10 @@ def parse_size(text: str | int) -> int:
             f"cannot parse size {text!r}: write a number with an optional unit, for example 512MiB, 24GiB or 80GB"
         )
     value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not math.isfinite(value):  # 400 digits overflow the float
+        raise ConfigError(f"size {text!r} is too large: write it with a unit, for example 80GiB")
+    if value == 0 and allow_zero:
+        return 0
     if value < 1:
         raise ConfigError(f"size {text!r} is less than one byte")
     return int(value)

@@ -196,7 +196,7 @@ def resolve(target: str, options: Mapping[str, OptionValue] | None = None) -> Wo
         if options:
             raise WorkloadError(
                 f"{target} is a Workload instance and takes no options; make it a function "
-                "that takes keyword options to pass {sorted(options)}"
+                f"that takes keyword options to pass {sorted(options)}"
             )
         return obj
     if callable(obj):

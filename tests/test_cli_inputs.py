@@ -1,0 +1,284 @@
+"""What the CLI says to bad input: one line naming the flag (or variable), exit 2, no traceback,
+and nothing slow first. In-process (`autotune.cli.run`), with the probe itself replaced by a
+failure: every row must be refused before a probe starts."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from autotune import __version__, cli
+from autotune.plan import plan
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def factory() -> None:
+    """A target named like the user's nwl:factory: its message holds ":factory:" (an emoji code)."""
+
+
+@pytest.fixture
+def autotune(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> Callable[..., tuple[int, str, str]]:
+    """Run the CLI in this process: (exit code, stdout, stderr). A probe that starts fails the test."""
+
+    def no_probe(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a probe started: the input should have been refused before it")
+
+    monkeypatch.setattr(cli, "_run_with_progress", no_probe)
+    monkeypatch.chdir(ROOT)
+    for name in ("AUTOTUNE_PROBE_TIMEOUT", "AUTOTUNE_CPU_MEMORY", "AUTOTUNE_HEADROOM", "AUTOTUNE_BUDGET"):
+        monkeypatch.delenv(name, raising=False)
+
+    def invoke(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = cli.run(list(args))
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    return invoke
+
+
+PROBE = ("probe", "mlp", "--device", "cpu", "--memory", "64MiB")
+DIRECTORY = str(ROOT / "tests")
+
+# (arguments, environment, exit code, what stderr must say: the flag or variable, and the problem)
+ROWS: list[tuple[tuple[str, ...], dict[str, str], int, tuple[str, ...]]] = [
+    # output paths, refused before the probe (the probe's work would be lost after it)
+    ((*PROBE, "--plot", "/nonexistent/dir/p.png"), {}, 2, ("--plot", "/nonexistent/dir does not exist")),
+    ((*PROBE, "--plot", DIRECTORY), {}, 2, ("--plot", "is a directory")),
+    ((*PROBE, "--plot", ""), {}, 2, ("--plot is empty",)),
+    ((*PROBE, "--plot", "x.jpg"), {}, 2, ("--plot 'x.jpg'", "name the file x.png")),
+    ((*PROBE, "--plot", "/proc/p.png"), {}, 2, ("--plot '/proc/p.png' cannot be written",)),
+    # timeouts: nan crashed, 0 meant 900 s, -1 was accepted
+    ((*PROBE, "--timeout", "nan"), {}, 2, ("--timeout nan is not a number of seconds above 0",)),
+    ((*PROBE, "--timeout", "0"), {}, 2, ("--timeout 0 is not",)),
+    ((*PROBE, "--timeout", "-1"), {}, 2, ("--timeout -1 is not",)),
+    ((*PROBE, "--timeout", "inf"), {}, 2, ("--timeout inf is not",)),
+    # sizes: "" probed 256 MiB
+    (("probe", "mlp", "--device", "cpu", "--memory", ""), {}, 2, ("--memory is empty",)),
+    (("probe", "gpt", "--memory", "12XB"), {}, 2, ("--memory", "cannot parse size '12XB'")),
+    (("probe", "gpt", "--memory", "9" * 400), {}, 2, ("--memory", "too large")),
+    (("probe", "gpt", "--headroom", ""), {}, 2, ("--headroom is empty",)),
+    (("probe", "gpt", "--headroom", "150%"), {}, 2, ("--headroom", "headroom fraction must be in [0, 1)")),
+    (("probe", "gpt", "--headroom", "5"), {}, 2, ("--headroom", "did you mean 5%?")),
+    (("probe", "gpt", "--min-free-memory", "lots"), {}, 2, ("--min-free-memory", "cannot parse size 'lots'")),
+    # plans too long to build: an OverflowError traceback before
+    (("plan", "--effective-batch", "1" + "0" * 20, "--max-micro-batch", "1"), {}, 2, ("--effective-batch",)),
+    ((*PROBE, "--effective-batch", "1" + "0" * 20), {}, 2, ("--effective-batch", "samples per rank")),
+    ((*PROBE, "--effective-batch", "100000", "--max-batch", "2"), {}, 2, ("--effective-batch", "50,000")),
+    (
+        ("plan", "--effective-batch", "1000003", "--max-micro-batch", "1000", "--policy", "exact"),
+        {},
+        2,
+        ("--policy exact", "--policy fewest-steps"),
+    ),
+    (
+        ("plan", "--effective-batch", "10", "--max-micro-batch", "4", "--world-size", "4"),
+        {},
+        2,
+        ("not a multiple of --world-size 4", "use 8 or 12"),
+    ),
+    ((*PROBE, "--effective-batch", "10", "--world-size", "4"), {}, 2, ("not a multiple of --world-size 4",)),
+    # ranges: flags, not pydantic's field names
+    (("serve", "--port", "70000"), {}, 2, ("'--port'", "65535")),
+    (("serve", "--port", "0"), {}, 2, ("'--port'",)),
+    (("probe", "gpt", "--max-batch", "0"), {}, 2, ("'--max-batch'",)),
+    (("probe", "gpt", "--effective-batch", "0"), {}, 2, ("'--effective-batch'",)),
+    (("probe", "gpt", "--steps", "1000"), {}, 2, ("'--steps'",)),
+    (("probe", "gpt", "--prefetch", "-1"), {}, 2, ("'--prefetch'",)),
+    (("probe", "gpt", "--max-batch", "4", "--granularity", "8"), {}, 2, ("--max-batch 4 is below --granularity 8",)),
+    (("plan", "--effective-batch", "-5", "--max-micro-batch", "8"), {}, 2, ("'--effective-batch'",)),
+    (
+        ("plan", "--effective-batch", "5", "--max-micro-batch", "8", "--policy", "fastest"),
+        {},
+        2,
+        ("--policy", "unknown policy 'fastest'"),
+    ),
+    (("estimate", "gpt", "--memory", ""), {}, 2, ("--memory is empty",)),
+    (("estimate", "gpt", "--memory", "1GiB", "--overhead", "x"), {}, 2, ("--overhead", "cannot parse size 'x'")),
+    # choices and other flags
+    (("probe", "gpt", "--device", "tpu"), {}, 2, ("--device", "unknown device 'tpu'")),
+    (("probe", "gpt", "--device", ""), {}, 2, ("--device", "unknown device ''")),
+    (("probe", "gpt", "--policy", "fastest"), {}, 2, ("--policy", "unknown policy 'fastest'")),
+    (("probe", "gpt", "--precision", "fp8"), {}, 2, ("--precision 'fp8' is not one of",)),
+    (("probe", "gpt", "--search", "guess"), {}, 2, ("--search 'guess' is not one of plain, predict",)),
+    (("probe", "gpt", "--budget", "half"), {}, 2, ("--budget 'half' is not one of",)),
+    (("probe", "gpt", "-o", "seq_len"), {}, 2, ("-o/--option 'seq_len' is not key=value",)),
+    (("probe", "gpt", "--publish", "autotune:8000"), {}, 2, ("--publish",)),
+    (("probe",), {}, 2, ("Missing argument 'TARGET'", "autotune probe --help")),
+    (("probe", "gpt", "--bogus"), {}, 2, ("No such option: --bogus",)),
+    (("frobnicate",), {}, 2, ("No such command 'frobnicate'",)),
+    # environment variables: named, with their value
+    (PROBE, {"AUTOTUNE_PROBE_TIMEOUT": "nan"}, 2, ("AUTOTUNE_PROBE_TIMEOUT='nan'",)),
+    (PROBE, {"AUTOTUNE_PROBE_TIMEOUT": "inf"}, 2, ("AUTOTUNE_PROBE_TIMEOUT='inf'",)),
+    (PROBE, {"AUTOTUNE_CPU_MEMORY": "lots"}, 2, ("AUTOTUNE_CPU_MEMORY='lots'", "cannot parse size")),
+    (PROBE, {"AUTOTUNE_HEADROOM": "5"}, 2, ("AUTOTUNE_HEADROOM='5'", "did you mean 5%?")),
+    (PROBE, {"AUTOTUNE_BUDGET": "half"}, 2, ("AUTOTUNE_BUDGET='half'", "'total' or 'free'")),
+    # user text that rich markup used to eat
+    (("probe", "tests.test_cli_inputs:factory", "-o", "x=1"), {}, 2, ("tests.test_cli_inputs:factory: factory()",)),
+    (("probe", "mlp", "-o", "shape=[batch, 16]"), {}, 2, ("'[batch, 16]'",)),
+    (("probe", "tests.workloads:tiny", "-o", "x=1"), {}, 2, ("takes keyword options to pass ['x']",)),
+    # targets (these import the workload's module, still before any probe)
+    (("probe", "resnet9000"), {}, 2, ("unknown workload 'resnet9000'",)),
+    (("probe", "nwl:factory"), {}, 2, ("cannot import module 'nwl' for target 'nwl:factory'",)),
+    (("probe", "tests.broken_import:workload"), {}, 2, ("No module named 'autotune_no_such_dependency'",)),
+    (("probe", "gpt", "-o", "depth=3"), {}, 2, ("bad options",)),
+]
+
+
+@pytest.mark.parametrize(("args", "env", "code", "says"), ROWS, ids=[" ".join(r[0])[:60] for r in ROWS])
+def test_bad_input_is_one_line_naming_the_flag(
+    autotune: Callable[..., tuple[int, str, str]],
+    monkeypatch: pytest.MonkeyPatch,
+    args: tuple[str, ...],
+    env: dict[str, str],
+    code: int,
+    says: tuple[str, ...],
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    got, stdout, stderr = autotune(*args)
+    assert got == code, (stdout, stderr)
+    assert "Traceback" not in stderr + stdout
+    assert stderr.startswith("error: ") and stderr.count("\n") == 1, stderr  # one line
+    for text in says:
+        assert text in stderr
+    assert "{" not in stderr or "{'" in stderr  # no unformatted f-string left in a message
+
+
+def test_json_failures_print_an_error_document(autotune: Callable[..., tuple[int, str, str]]) -> None:
+    code, stdout, stderr = autotune(*PROBE, "--timeout", "nan", "--json")
+    assert code == 2 and "--timeout nan" in stderr
+    document = json.loads(stdout)
+    assert document["error"]["type"] == "ConfigError" and document["error"]["exit_code"] == 2
+    assert "--timeout nan" in document["error"]["message"]
+    code, stdout, _ = autotune("plan", "--effective-batch", "0", "--max-micro-batch", "4", "--json")
+    assert code == 2
+    assert json.loads(stdout)["error"] == {
+        "type": "UsageError",
+        "message": json.loads(stdout)["error"]["message"],
+        "exit_code": 2,
+    }
+    assert "--effective-batch" in json.loads(stdout)["error"]["message"]
+    code, stdout, _ = autotune(*PROBE, "--timeout", "nan")
+    assert code == 2 and stdout == ""  # without --json, nothing on stdout
+
+
+@pytest.mark.parametrize(
+    ("effective", "largest", "world", "policy"),
+    [(100, 17, 1, "fewest-steps"), (2050, 1024, 1, "fewest-steps"), (100, 16, 1, "fewest-steps"),
+     (4100, 1024, 2, "fewest-steps"), (100, 16, 1, "exact"), (64, 100, 1, "fewest-steps"), (96, 16, 4, "exact"),
+     (7, 2, 1, "fewest-steps")],
+)  # fmt: skip
+def test_the_plan_arithmetic_is_exact(
+    autotune: Callable[..., tuple[int, str, str]], effective: int, largest: int, world: int, policy: str
+) -> None:
+    code, stdout, stderr = autotune(
+        "plan", "--effective-batch", str(effective), "--max-micro-batch", str(largest),
+        "--world-size", str(world), "--policy", policy,
+    )  # fmt: skip
+    assert code == 0, stderr
+    first = stdout.splitlines()[0]
+    match = re.search(r": ([0-9 ×+()a-z]+) = effective batch (\d+)$", first)
+    assert match, first
+    expression = match.group(1).replace("×", "*").replace("world size", "")
+    assert eval(expression, {"__builtins__": {}}) == effective == int(match.group(2)), first
+    made = plan(effective, largest, world, policy)
+    assert f"{made.accumulation_steps} accumulation steps" in first or made.accumulation_steps == 1
+    assert "step(s)" not in first
+
+
+def test_help_version_and_defaults(autotune: Callable[..., tuple[int, str, str]]) -> None:
+    for flag in ("-h", "--help"):
+        code, stdout, _ = autotune(flag)
+        assert code == 0 and "Commands:" in stdout and "-V, --version" in stdout
+    for flag in ("-V", "--version"):
+        assert autotune(flag)[:2] == (0, f"{__version__}\n")
+    code, stdout, _ = autotune("probe", "-h")
+    assert code == 0
+    assert "<bool>" not in stdout and "<str>" not in stdout.split("Options:")[1]
+    help_text = " ".join(stdout.split())
+    for default in (
+        "AUTOTUNE_PROBE_TIMEOUT, 900",
+        "AUTOTUNE_MIN_FREE_MEMORY, 1GiB",
+        "AUTOTUNE_BUDGET, total",
+        "AUTOTUNE_CPU_MEMORY, 256MiB",
+        "AUTOTUNE_HEADROOM, 5%",
+        "--confirm / --no-confirm",
+    ):
+        assert default in help_text
+    code, stdout, _ = autotune("--help")
+    devices = next(line for line in stdout.splitlines() if line.strip().startswith("devices"))
+    assert devices.rstrip().endswith("processes.")  # one sentence, not cut in the middle
+
+
+def test_help_and_bad_input_import_no_torch() -> None:
+    """--help, --version and refused input answer without importing torch or the probe machinery."""
+    script = (
+        "import sys\n"
+        "from autotune.cli import run\n"
+        "codes = [run(a) for a in (['--help'], ['--version'], ['probe', '-h'], ['probe', 'mlp', '--timeout', 'nan'],"
+        " ['plan', '--effective-batch', '100', '--max-micro-batch', '17'], ['serve', '--port', '70000'])]\n"
+        "print(codes, 'torch' in sys.modules, 'autotune.probe' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[0, 0, 0, 2, 0, 2] False False"
+
+
+def test_the_summary_prints_user_text_as_it_is(capsys: pytest.CaptureFixture[str]) -> None:
+    """Device names, OOM messages and notes are shown verbatim: no markup, no emoji codes."""
+    from tests.serving import make_result
+
+    result = make_result(target="nwl:factory", device_name="gpu:factory: [bold]x[/bold]", max_micro_batch=12)
+    trials = [
+        t.model_copy(update={"oom_message": "shape [batch, 16] :factory: out of memory"}) if not t.fits else t
+        for t in result.trials
+    ]
+    result = result.model_copy(update={"trials": trials, "plan": plan(100, 12)})
+    cli._print_summary(result)
+    stdout = capsys.readouterr().out
+    assert "device: gpu:factory: [bold]x[/bold];" in stdout
+    assert "13 ran out of memory: shape [batch, 16] :factory: out of memory" in stdout
+    assert "9 accumulation steps of at most 12 (micro-batch × steps): 12 + 11 × 8 = effective batch 100" in stdout
+
+
+def test_accepted_inputs_reach_the_probe_as_given(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen: list[tuple[object, bool, float]] = []
+
+    def stop(request: object, in_process: bool, timeout: float) -> None:
+        seen.append((request, in_process, timeout))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(cli, "_run_with_progress", stop)
+    monkeypatch.setenv("AUTOTUNE_PROBE_TIMEOUT", "60")
+    args = [*PROBE, "--min-free-memory", "0", "--headroom", "0", "--in-process", "-o", "hidden=8"]
+    with pytest.raises(SystemExit):
+        cli.run(args)
+    with pytest.raises(SystemExit):
+        cli.run([*args, "--timeout", "1.5"])
+    (first, in_process, timeout), (_, _, given) = seen
+    assert (first.min_free_memory, first.memory, first.headroom) == (0, 64 * 2**20, 0.0)  # type: ignore[attr-defined]
+    assert first.options == {"hidden": 8} and in_process  # type: ignore[attr-defined]
+    assert (timeout, given) == (60.0, 1.5)
+
+
+def test_sizes_zero_only_where_allowed_and_no_overflow() -> None:
+    from autotune.errors import ConfigError
+    from autotune.units import parse_size
+
+    assert parse_size("0", allow_zero=True) == parse_size("0GiB", allow_zero=True) == 0
+    with pytest.raises(ConfigError, match="less than one byte"):
+        parse_size("0")
+    with pytest.raises(ConfigError, match="too large"):
+        parse_size("9" * 400 + "GiB")
