@@ -5,7 +5,7 @@ nodes share them; one probe at a time per device, whoever runs it.
 or active job, or creates a queued one (the store's uniqueness rule, not this process, decides
 between concurrent requests). Every device of this node has a worker thread in every server
 process: it claims the oldest queued job of its (node, device) when it holds the device's lease,
-runs it through `autotune.confirm.probe_and_confirm` (a spawned child with the timeout, then the
+runs it through `autotune.confirm.probe_and_confirm` (an isolated child with the timeout, then the
 fresh-process confirmation) while a heartbeat renews the lease, and finishes it in one
 transaction. A worker whose process dies stops heartbeating: the next claim on that device fails
 its job as interrupted (at once when the dead process was on this host), and queued jobs wait

@@ -4,7 +4,7 @@ Public API:
     Workload, Precision            define what a trial runs (autotune.workload)
     ProbeRequest, run_probe        probe in this process (autotune.probe)
     probe_workload                 probe a Workload object (live objects: Workload.from_model) here
-    run_isolated                   probe in a spawned child with a timeout (autotune.isolation)
+    run_isolated                   probe in a fresh child interpreter with a timeout (autotune.isolation)
     plan, Plan, Policy             accumulation plans (autotune.plan)
     probe_and_confirm              probe, then confirm in fresh processes (autotune.confirm)
     accumulate, MicroStep, AcrossRanks  loss weights and optimizer steps in the loop (autotune.accumulate)

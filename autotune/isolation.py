@@ -1,52 +1,77 @@
-"""Running a probe in a spawned child process, with a hard timeout.
+"""Running a probe in a fresh child interpreter, with a hard timeout.
 
 A probe can take its process down: a segfault in a kernel, a sticky CUDA error that poisons the
-context, a workload that hangs or calls `os._exit`. So by default it runs in a child started with
-the `spawn` method (never `fork`: the parent must not share, or ever initialize, a CUDA context),
-streams its trials back over a pipe, and is killed at the timeout. Whatever happens to the child,
-the caller gets a `ProbeResult` or one of our `ProbeError`s with the reason.
+context, a workload that hangs or calls `os._exit`. So by default it runs in a child process, a
+**new interpreter** running our own entry point (`python -m autotune.isolation`, with this
+process's `sys.path`), never a fork (the parent must not share, or ever initialize, a CUDA
+context) and never multiprocessing's spawn, which re-imports the caller's `__main__` and so
+fails in a script without an `if __name__ == "__main__":` guard. The request goes in on the
+child's stdin; the child streams its trials, then its result or error, back as JSON lines on a
+pipe of its own (the workload may print on stdout), and is killed at the timeout. Whatever
+happens to the child, the caller gets a `ProbeResult` or one of our `ProbeError`s with the reason.
+
+The child never outlives its caller: it exits when its stdin reaches end of file (the caller has
+gone, however it went: the kernel closes its end) or when its parent process changes, checked
+every second; a caller that exits normally kills its live children on the way out.
 """
 
 from __future__ import annotations
 
-import multiprocessing
+import atexit
+import contextlib
+import json
 import os
+import select
 import signal
+import subprocess
+import sys
 import threading
 import time
-from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autotune import errors
-from autotune.probe import ProbeRequest, TrialCallback, run_probe
-from autotune.results import ProbeResult, TrialRecord
+
+if TYPE_CHECKING:
+    from autotune.probe import ProbeRequest, TrialCallback
+    from autotune.results import ProbeResult
+
+WATCH_SECONDS = 1.0  # how often the child checks that its parent is still the one that started it
+_POLL_SECONDS = 0.5  # how often the caller looks at the child while no message arrives
+
+_live: set[subprocess.Popen[bytes]] = set()
+_live_lock = threading.Lock()
 
 
-def _watch_parent(parent_pid: int) -> None:
-    # A child whose parent was killed must not hold a GPU forever.
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != parent_pid:
-            os._exit(3)
+# The caller's side ------------------------------------------------------------------------------
+def _child_env() -> dict[str, str]:
+    # The child must import autotune and the workload as this process does: its sys.path, with
+    # the current directory made absolute.
+    path = [os.path.abspath(p or os.curdir) for p in [*sys.path, ""]]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path))}
 
 
-def _child_main(payload: dict[str, Any], conn: Connection, parent_pid: int) -> None:
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    try:
-        request = ProbeRequest.model_validate(payload)
-        result = run_probe(request, on_trial=lambda t: conn.send(("trial", t.model_dump(mode="json"))))
-        conn.send(("result", result.model_dump(mode="json")))
-    except errors.AutotuneError as exc:
-        conn.send(("error", errors.report(exc)))
-    except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises ProbeError
-        conn.send(
-            (
-                "error",
-                {"type": "ProbeError", "message": f"probe failed: {type(exc).__name__}: {exc}"},
-            )
-        )
-    finally:
-        conn.close()
+def _kill_live_children() -> None:
+    # At a normal exit of the caller (an exception or a signal in another thread left a probe
+    # running): end the children now rather than a second later by their own watch.
+    with _live_lock:
+        children = list(_live)
+    for child in children:
+        _end(child)
+
+
+atexit.register(_kill_live_children)
+
+
+def _end(child: subprocess.Popen[bytes]) -> None:
+    if child.poll() is None:
+        child.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):  # a process in uninterruptible sleep
+        child.wait(timeout=10)
+    if child.stdin is not None:
+        with contextlib.suppress(OSError):  # a broken pipe to a dead child
+            child.stdin.close()
+    with _live_lock:
+        _live.discard(child)
 
 
 def _describe_exit(code: int | None) -> str:
@@ -65,50 +90,139 @@ def run_isolated(
     timeout: float,
     on_trial: TrialCallback | None = None,
 ) -> ProbeResult:
-    """Run `request` in a spawned child; raise ProbeTimeoutError or ProbeCrashedError if it
-    does not come back with an answer."""
-    context = multiprocessing.get_context("spawn")
-    receiver, sender = context.Pipe(duplex=False)
-    process = context.Process(
-        target=_child_main,
-        args=(request.model_dump(mode="json"), sender, os.getpid()),
-        name=f"autotune-probe-{request.target}",
-        daemon=True,
-    )
-    process.start()
-    sender.close()  # the child holds the only writer: EOF means it is gone
+    """Run `request` in a fresh child interpreter; raise ProbeTimeoutError or ProbeCrashedError
+    if it does not come back with an answer, or the error the probe failed with."""
+    from autotune.results import ProbeResult, TrialRecord
+
+    read_end, write_end = os.pipe()
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "autotune.isolation", str(write_end), str(os.getpid())],
+            env=_child_env(),
+            stdin=subprocess.PIPE,
+            pass_fds=(write_end,),
+        )
+    except BaseException:
+        os.close(read_end)
+        raise
+    finally:
+        os.close(write_end)  # the child holds the only writer: EOF means it is gone
+    with _live_lock:
+        _live.add(child)
     deadline = time.monotonic() + timeout
     trials = 0
+    pending = b""
+    answers = select.poll()  # not select(): a busy server's descriptors can pass FD_SETSIZE
+    answers.register(read_end, select.POLLIN)
     try:
+        assert child.stdin is not None
+        try:
+            # One line, far below a pipe's buffer: this does not wait for the child. Its stdin
+            # then stays open: end of file there tells the child that this process is gone.
+            child.stdin.write(request.model_dump_json().encode() + b"\n")
+            child.stdin.flush()
+        except BrokenPipeError:
+            pass  # the child is already gone: the loop below reports how
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise errors.ProbeTimeoutError(
                     f"the probe ran past its timeout of {timeout:g} s after {trials} trial(s) and was "
-                    "killed: raise the timeout, lower --max-batch or --steps"
+                    "killed: raise the timeout, or lower the workload's max_batch or steps"
                 )
-            if not receiver.poll(min(remaining, 0.5)):
+            # A child that has exited wrote all it will: read what is left, without waiting on a
+            # writer that a process it forked may still hold.
+            exited = child.poll() is not None
+            if not answers.poll(0 if exited else min(remaining, _POLL_SECONDS) * 1000):
+                if exited:
+                    break
                 continue
-            try:
-                kind, payload = receiver.recv()
-            except EOFError:
+            chunk = os.read(read_end, 1 << 16)
+            if not chunk:
                 break
-            if kind == "trial":
-                trials += 1
-                if on_trial is not None:
-                    on_trial(TrialRecord.model_validate(payload))
-            elif kind == "result":
-                return ProbeResult.model_validate(payload)
-            else:
-                raise errors.from_report(payload)
-        process.join(timeout=10)
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                message = json.loads(line)
+                if "trial" in message:
+                    trials += 1
+                    if on_trial is not None:
+                        on_trial(TrialRecord.model_validate(message["trial"]))
+                elif "result" in message:
+                    return ProbeResult.model_validate(message["result"])
+                else:
+                    raise errors.from_report(message["error"])
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=10)
         raise errors.ProbeCrashedError(
-            f"the probe process {_describe_exit(process.exitcode)} after {trials} trial(s) "
+            f"the probe process {_describe_exit(child.returncode)} after {trials} trial(s) "
             "without reporting a result (a crash in native code, a sticky CUDA error, or the "
-            "workload exiting); run with --in-process to debug"
+            "workload exiting); to debug, run the probe in the calling process "
+            "(`in_process=True` in Python, `--in-process` on the command line)"
         )
     finally:
-        receiver.close()
-        if process.is_alive():
-            process.kill()
-        process.join(timeout=10)
+        os.close(read_end)
+        _end(child)
+
+
+# The child's side -------------------------------------------------------------------------------
+def _watch_parent(control: int, parent_pid: int) -> None:
+    # A child whose parent is gone must not hold a GPU forever: the parent's end of our stdin
+    # closes when it dies (at once, whatever killed it), and a new parent shows within a second.
+    stdin = select.poll()
+    stdin.register(control, select.POLLIN)
+    while True:
+        if stdin.poll(WATCH_SECONDS * 1000) and not os.read(control, 4096):
+            os._exit(3)
+        if os.getppid() != parent_pid:
+            os._exit(3)
+
+
+def _child(answer_fd: int, parent_pid: int) -> None:
+    # The request is one line on stdin; the rest of stdin is the parent watch's, and the workload
+    # reads /dev/null as it would under a spawned process.
+    control = os.dup(0)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.set_inheritable(answer_fd, False)  # a subprocess of the workload must not hold it
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = os.read(control, 1 << 16)
+        if not chunk:
+            os._exit(3)  # the parent went away before it sent the request
+        line += chunk
+    threading.Thread(target=_watch_parent, args=(control, parent_pid), daemon=True).start()
+
+    lock = threading.Lock()
+    answers = os.fdopen(answer_fd, "wb")
+
+    def send(message: dict[str, Any]) -> None:
+        with lock:
+            answers.write(json.dumps(message).encode() + b"\n")
+            answers.flush()
+
+    try:
+        from autotune.probe import ProbeRequest, run_probe
+
+        request = ProbeRequest.model_validate_json(line)
+        result = run_probe(request, on_trial=lambda t: send({"trial": t.model_dump(mode="json")}))
+        send({"result": result.model_dump(mode="json")})
+    except errors.AutotuneError as exc:
+        send({"error": errors.report(exc)})
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises ProbeError
+        send({"error": {"type": "ProbeError", "message": f"probe failed: {type(exc).__name__}: {exc}"}})
+    finally:
+        answers.close()
+
+
+def main() -> None:
+    if len(sys.argv) != 3 or not all(arg.isdigit() for arg in sys.argv[1:]):
+        sys.stderr.write(
+            "usage: python -m autotune.isolation ANSWER_FD PARENT_PID < REQUEST.json (autotune's own use)\n"
+        )
+        sys.exit(2)
+    _child(int(sys.argv[1]), int(sys.argv[2]))
+
+
+if __name__ == "__main__":
+    main()

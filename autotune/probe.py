@@ -2,7 +2,7 @@
 
 `ProbeRequest` is everything a probe needs, as plain data: the CLI builds one from its flags, the
 service from a request body, and the isolated child receives one over a pipe. `run_probe` runs it
-in this process; `autotune.isolation.run_isolated` runs it in a spawned child.
+in this process; `autotune.isolation.run_isolated` runs it in a fresh child interpreter.
 
 `probe_workload` probes a Workload *object* (live objects, `Workload.from_model`, or a framework's
 own loop through `train=`) in this process, with the request's fields as keywords: a fresh process

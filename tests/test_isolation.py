@@ -1,7 +1,10 @@
-"""Probes in a spawned child: crashes, abrupt exits and hangs become failed probes, never a dead caller."""
+"""Probes in a fresh child interpreter: crashes, abrupt exits and hangs become failed probes, never a dead caller."""
 
 from __future__ import annotations
 
+import select
+import subprocess
+import sys
 import time
 
 import pytest
@@ -10,6 +13,7 @@ from autotune.errors import NotAnOOMError, ProbeCrashedError, ProbeTimeoutError,
 from autotune.isolation import run_isolated
 from autotune.probe import ProbeRequest, run_probe
 from autotune.results import TrialRecord
+from tests.serving import ROOT, alive, children_of
 
 MIB = 2**20
 
@@ -55,3 +59,37 @@ def test_errors_from_the_child_keep_their_type_and_message() -> None:
     assert info.value.batch == 4
     with pytest.raises(WorkloadError, match="unknown workload"):
         run_isolated(_request("no-such-example"), timeout=120)
+
+
+CALLER = """\
+from autotune.isolation import run_isolated
+from autotune.probe import ProbeRequest
+
+def trial(record):
+    print("trial", record.batch, flush=True)
+
+# The plain search tries 1 first, which returns; 2 hangs.
+request = ProbeRequest(target="tests.workloads:hangs", device="cpu", memory=64 * 2**20, search="plain")
+run_isolated(request, 60, on_trial=trial)
+"""
+
+
+def test_the_child_dies_with_its_caller() -> None:
+    # A caller killed mid-probe (kill -9: no cleanup of its own) leaves no probe running.
+    caller = subprocess.Popen(
+        [sys.executable, "-c", CALLER], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert caller.stdout is not None
+        ready, _, _ = select.select([caller.stdout], [], [], 60)
+        assert ready, "no trial in 60 s"
+        assert caller.stdout.readline() == "trial 1\n"
+        (child,) = children_of(caller.pid)
+    finally:
+        caller.kill()
+        caller.communicate()
+    started = time.monotonic()
+    while alive(child) and time.monotonic() - started < 10:
+        time.sleep(0.05)
+    assert not alive(child)
+    assert time.monotonic() - started < 2  # its stdin closed with the caller, its parent changed
