@@ -356,6 +356,7 @@ def probe(
         request = ProbeRequest.model_validate({**fields, "options": _options(pairs)})
     except ValueError as exc:  # pydantic's ValidationError
         raise ConfigError(_validation_message(exc)) from None
+    _check_cpu_budget(request, settings.max_cpu_memory)
     load_workload(request)  # bad targets and options fail here, before any process starts
     result = _run_with_progress(request, in_process, timeout if timeout is not None else settings.probe_timeout)
     if json_output:
@@ -698,6 +699,34 @@ def _options(pairs: list[str]) -> dict[str, Any]:
     from autotune.workload import parse_options  # imports torch
 
     return dict(parse_options(pairs))
+
+
+def _check_cpu_budget(request: Any, cap: int) -> None:
+    """The budget device really allocates the memory it simulates, in host RAM: refuse a size the
+    host cannot hold, and one above AUTOTUNE_MAX_CPU_MEMORY (the cap the service has too), before
+    the probe reports host failures as out-of-memory trials and answers by host RAM."""
+    if request.memory is None:
+        return
+    device = request.device or ""
+    if not device.startswith("cpu"):
+        if device:
+            return
+        import torch
+
+        if torch.cuda.is_available():
+            return
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if request.memory > cap:
+        raise ConfigError(
+            f"--memory {format_bytes(request.memory)} on the cpu budget device allocates that much host RAM, "
+            f"above AUTOTUNE_MAX_CPU_MEMORY ({format_bytes(cap)}): raise AUTOTUNE_MAX_CPU_MEMORY to allow it"
+        )
+    if request.memory > host:
+        raise ConfigError(
+            f"--memory {format_bytes(request.memory)} on the cpu budget device needs that much host RAM, "
+            f"and this host has {format_bytes(host)}: probe a smaller budget (it is a simulation: the "
+            "answer scales) or run on the GPU"
+        )
 
 
 def _check_timeout(seconds: float, name: str) -> None:

@@ -34,7 +34,13 @@ def autotune(
 
     monkeypatch.setattr(cli, "_run_with_progress", no_probe)
     monkeypatch.chdir(ROOT)
-    for name in ("AUTOTUNE_PROBE_TIMEOUT", "AUTOTUNE_CPU_MEMORY", "AUTOTUNE_HEADROOM", "AUTOTUNE_BUDGET"):
+    for name in (
+        "AUTOTUNE_PROBE_TIMEOUT",
+        "AUTOTUNE_CPU_MEMORY",
+        "AUTOTUNE_HEADROOM",
+        "AUTOTUNE_BUDGET",
+        "AUTOTUNE_MAX_CPU_MEMORY",
+    ):
         monkeypatch.delenv(name, raising=False)
 
     def invoke(*args: str) -> tuple[int, str, str]:
@@ -64,6 +70,14 @@ ROWS: list[tuple[tuple[str, ...], dict[str, str], int, tuple[str, ...]]] = [
     ((*PROBE, "--timeout", "inf"), {}, 2, ("--timeout inf is not",)),
     # sizes: "" probed 256 MiB
     (("probe", "mlp", "--device", "cpu", "--memory", ""), {}, 2, ("--memory is empty",)),
+    # the budget device allocates real host RAM: a cap (as the service's), and the host's RAM
+    (("probe", "mlp", "--device", "cpu", "--memory", "80GB"), {}, 2, ("--memory", "AUTOTUNE_MAX_CPU_MEMORY")),
+    (
+        ("probe", "mlp", "--device", "cpu", "--memory", "1000TiB"),
+        {"AUTOTUNE_MAX_CPU_MEMORY": "2000TiB"},
+        2,
+        ("--memory", "host RAM", "this host has"),
+    ),
     (("probe", "gpt", "--memory", "12XB"), {}, 2, ("--memory", "cannot parse size '12XB'")),
     (("probe", "gpt", "--memory", "9" * 400), {}, 2, ("--memory", "too large")),
     (("probe", "gpt", "--headroom", ""), {}, 2, ("--headroom is empty",)),
