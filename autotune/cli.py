@@ -166,11 +166,44 @@ def _print_summary(result: ProbeResult) -> None:
 _DEFAULT_NOTE = "[default: {}]"
 
 
+# Options several commands take, declared once.
+TargetArgument = Annotated[
+    str, typer.Argument(metavar="TARGET", help="Built-in example (mlp, cnn, gpt) or module:attribute.")
+]
+PrecisionOption = Annotated[
+    str | None,
+    typer.Option(
+        metavar="fp32|bf16|fp16",
+        help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler).  " + _DEFAULT_NOTE.format("the workload's"),
+    ),
+]
+OptimizerOption = Annotated[
+    str | None,
+    typer.Option(
+        metavar="sgd|adam|adamw",
+        help="Override the workload's optimizer.  " + _DEFAULT_NOTE.format("the workload's"),
+    ),
+]
+HeadroomOption = Annotated[
+    str | None,
+    typer.Option(
+        metavar="F|SIZE",
+        help="Kept free: a fraction (0.05, 5%) or a size (2GiB).  " + _DEFAULT_NOTE.format("AUTOTUNE_HEADROOM, 5%"),
+    ),
+]
+OptionsOption = Annotated[
+    list[str] | None,
+    typer.Option("--option", "-o", metavar="KEY=VALUE", help="Workload option (repeatable)."),
+]
+WorldSizeOption = Annotated[int, typer.Option(metavar="W", min=1, help="Data-parallel ranks.")]
+PolicyOption = Annotated[
+    str, typer.Option(metavar="fewest-steps|exact", help="How the plan splits the effective batch.")
+]
+
+
 @app.command(short_help="Probe the largest micro-batch of TARGET that fits; plan accumulation.")
 def probe(
-    target: Annotated[
-        str, typer.Argument(metavar="TARGET", help="Built-in example (mlp, cnn, gpt) or module:attribute.")
-    ],
+    target: TargetArgument,
     device: Annotated[
         str | None,
         typer.Option(
@@ -195,27 +228,9 @@ def probe(
             + _DEFAULT_NOTE.format("AUTOTUNE_BUDGET, total"),
         ),
     ] = None,
-    headroom: Annotated[
-        str | None,
-        typer.Option(
-            metavar="F|SIZE",
-            help="Kept free: a fraction (0.05, 5%) or a size (2GiB).  " + _DEFAULT_NOTE.format("AUTOTUNE_HEADROOM, 5%"),
-        ),
-    ] = None,
-    precision: Annotated[
-        str | None,
-        typer.Option(
-            metavar="fp32|bf16|fp16",
-            help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler).  " + _DEFAULT_NOTE.format("the workload's"),
-        ),
-    ] = None,
-    optimizer: Annotated[
-        str | None,
-        typer.Option(
-            metavar="sgd|adam|adamw",
-            help="Override the workload's optimizer.  " + _DEFAULT_NOTE.format("the workload's"),
-        ),
-    ] = None,
+    headroom: HeadroomOption = None,
+    precision: PrecisionOption = None,
+    optimizer: OptimizerOption = None,
     steps: Annotated[
         int,
         typer.Option(metavar="N", min=1, max=100, help="Training steps per trial (2: the second is the steady state)."),
@@ -232,14 +247,9 @@ def probe(
             metavar="E", min=1, help="Plan accumulation for this effective batch.  " + _DEFAULT_NOTE.format("no plan")
         ),
     ] = None,
-    world_size: Annotated[int, typer.Option(metavar="W", min=1, help="Data-parallel ranks.")] = 1,
-    policy: Annotated[
-        str, typer.Option(metavar="fewest-steps|exact", help="How the plan splits the effective batch.")
-    ] = Policy.FEWEST_STEPS.value,
-    option: Annotated[
-        list[str] | None,
-        typer.Option("--option", "-o", metavar="KEY=VALUE", help="Workload option (repeatable)."),
-    ] = None,
+    world_size: WorldSizeOption = 1,
+    policy: PolicyOption = Policy.FEWEST_STEPS.value,
+    option: OptionsOption = None,
     in_process: Annotated[
         bool,
         typer.Option("--in-process", help="Run in this process (debugging); default is an isolated child."),
@@ -469,10 +479,8 @@ def _prediction_lines(result: ProbeResult) -> list[str]:
 def plan_command(
     effective_batch: Annotated[int, typer.Option(metavar="E", min=1, help="The effective batch to reach.")],
     max_micro_batch: Annotated[int, typer.Option(metavar="N", min=1, help="The largest micro-batch that fits.")],
-    world_size: Annotated[int, typer.Option(metavar="W", min=1, help="Data-parallel ranks.")] = 1,
-    policy: Annotated[
-        str, typer.Option(metavar="fewest-steps|exact", help="How the plan splits the effective batch.")
-    ] = Policy.FEWEST_STEPS.value,
+    world_size: WorldSizeOption = 1,
+    policy: PolicyOption = Policy.FEWEST_STEPS.value,
     json_output: Annotated[bool, typer.Option("--json", help="Print the plan (or the error) as JSON.")] = False,
 ) -> None:
     """Plan micro-batches and accumulation steps for an effective batch: E = sum of the
@@ -530,31 +538,11 @@ def serve(
 
 @app.command(short_help="Estimate the largest micro-batch for a memory size, without a GPU.")
 def estimate(
-    target: Annotated[
-        str, typer.Argument(metavar="TARGET", help="Built-in example (mlp, cnn, gpt) or module:attribute.")
-    ],
+    target: TargetArgument,
     memory: Annotated[str, typer.Option(metavar="SIZE", help="The device's memory, e.g. 80GiB.")],
-    precision: Annotated[
-        str | None,
-        typer.Option(
-            metavar="fp32|bf16|fp16",
-            help="fp32, bf16 (autocast) or fp16 (autocast + GradScaler).  " + _DEFAULT_NOTE.format("the workload's"),
-        ),
-    ] = None,
-    optimizer: Annotated[
-        str | None,
-        typer.Option(
-            metavar="sgd|adam|adamw",
-            help="Override the workload's optimizer.  " + _DEFAULT_NOTE.format("the workload's"),
-        ),
-    ] = None,
-    headroom: Annotated[
-        str | None,
-        typer.Option(
-            metavar="F|SIZE",
-            help="Kept free: a fraction (0.05, 5%) or a size (2GiB).  " + _DEFAULT_NOTE.format("AUTOTUNE_HEADROOM, 5%"),
-        ),
-    ] = None,
+    precision: PrecisionOption = None,
+    optimizer: OptimizerOption = None,
+    headroom: HeadroomOption = None,
     overhead: Annotated[
         str | None,
         typer.Option(
@@ -568,10 +556,7 @@ def estimate(
         typer.Option(metavar="N", min=1, help="Never consider more than this.  " + _DEFAULT_NOTE.format("no cap")),
     ] = None,
     granularity: Annotated[int, typer.Option(metavar="G", min=1, help="Only consider multiples of this.")] = 1,
-    option: Annotated[
-        list[str] | None,
-        typer.Option("--option", "-o", metavar="KEY=VALUE", help="Workload option (repeatable)."),
-    ] = None,
+    option: OptionsOption = None,
     json_output: Annotated[
         bool, typer.Option("--json", help="Print the estimate (or the error) as one JSON document.")
     ] = False,
