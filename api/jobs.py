@@ -162,15 +162,6 @@ class ProbeManager:
             return Submitted(job=self._truth(submitted.job), created=submitted.created, stored=submitted.stored)
         return submitted
 
-    def get(self, job_id: str) -> JobRecord | None:
-        """The job as it stands: what this process knows first (it runs it, or could not record
-        its outcome), else the store's row with its trials."""
-        with self._lock:
-            mine = self._mine.get(job_id)
-            if mine is not None:
-                return self._snapshot(mine)
-        return self._store.get_job(job_id)
-
     def mine(self, job_id: str) -> tuple[JobRecord, ProbeResult | None] | None:
         with self._lock:
             found = self._mine.get(job_id)

@@ -90,7 +90,6 @@ class Service:
             runner=runner,
         )
         self._resolved: OrderedDict[tuple[Any, ...], Resolved] = OrderedDict()
-        self.writable: str | None = None  # why the last write failed, until one succeeds
         self.check_writable()  # this node is seen from now on (and readiness knows whether writes work)
         self.interrupted = self.jobs.start()
         self._closing = threading.Event()
@@ -166,9 +165,7 @@ class Service:
         try:
             self.store.touch_node(self.settings.node)
         except StoreError as exc:
-            self.writable = str(exc)
-            return self.writable
-        self.writable = None
+            return str(exc)
         return None
 
     # Resolving requests ----------------------------------------------------------------------

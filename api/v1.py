@@ -198,23 +198,26 @@ async def get_plan(request: Request) -> Response:
     resolved = _resolve_query(svc, query)
     effective_batch, world_size, policy, wait = query.effective_batch, query.world_size, query.policy, query.wait
     svc.metrics.plan_requests.inc()
-    cached = svc.results.get(resolved.digest) or await asyncio.to_thread(svc.lookup, resolved.digest)
+    cached = svc.results.get(resolved.digest)
+    submitted = None
+    if cached is None:
+        check_plan(effective_batch, world_size, policy)
+        # The store answers: a result stored elsewhere, a failure that would repeat, or the probe.
+        submitted = await asyncio.to_thread(svc.submit, resolved, use_stored=True, remember=True)
+        if submitted.stored is not None:
+            cached = svc.results.get(resolved.digest)
     if cached is not None:
         svc.metrics.plan_cache_hits.inc()
         return Response(
             svc.plan_body(resolved, cached, effective_batch, world_size, policy), media_type="application/json"
         )
-
-    check_plan(effective_batch, world_size, policy)
-    # The store answers: a result stored meanwhile, a failure that would repeat, or the probe.
-    submitted = await asyncio.to_thread(svc.submit, resolved, use_stored=True, remember=True)
-    cached = svc.results.get(resolved.digest) if submitted.stored is not None else None
-    if cached is None and submitted.job is not None and submitted.job.status in ("queued", "running") and wait > 0:
+    assert submitted is not None
+    if submitted.job is not None and submitted.job.status in ("queued", "running") and wait > 0:
         await svc.jobs.wait(submitted.job.id, wait)
         cached = await asyncio.to_thread(svc.lookup, resolved.digest)
-    if cached is not None:
-        body = svc.plan_body(resolved, cached, effective_batch, world_size, policy)
-        return Response(body, media_type="application/json")
+        if cached is not None:
+            body = svc.plan_body(resolved, cached, effective_batch, world_size, policy)
+            return Response(body, media_type="application/json")
     assert submitted.job is not None
     job_id = submitted.job.id
     view = await asyncio.to_thread(svc.job_view, job_id)
@@ -328,10 +331,11 @@ async def create_probe(body: ProbeCreate, response: Response, svc: ServiceDep) -
         max_batch=body.max_batch,
         granularity=body.granularity,
     )
-    cached = None if body.refresh else await asyncio.to_thread(svc.lookup, resolved.digest)
+    cached = None if body.refresh else svc.results.get(resolved.digest)
     if cached is not None:
         response.status_code = status.HTTP_200_OK
         return svc.stored_view(resolved, cached.stored)
+    # A result stored by another worker or node since comes back from the store instead of a job.
     submitted = await asyncio.to_thread(svc.submit, resolved, use_stored=not body.refresh)
     if submitted.stored is not None:
         response.status_code = status.HTTP_200_OK

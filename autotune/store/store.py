@@ -175,15 +175,6 @@ class Store:
         changed = {name: statement.excluded[name] for name in values if name not in keys}
         conn.execute(statement.on_conflict_do_update(index_elements=list(keys), set_=changed))
 
-    def ping(self) -> bool:
-        """Whether the database answers a trivial query."""
-        try:
-            with self._read() as conn:
-                conn.execute(select(1)).scalar()
-        except StoreError:
-            return False
-        return True
-
     def touch_node(self, node: str) -> None:
         """A small write (this node's last-seen time): readiness says whether writes succeed.
         Raises StoreError."""
@@ -282,10 +273,6 @@ class Store:
             return int(conn.execute(select(func.count()).select_from(results)).scalar() or 0)
 
     # Jobs ------------------------------------------------------------------------------------
-    def create_job(self, job: JobRecord) -> None:
-        with self._write() as conn:
-            conn.execute(insert(jobs).values(**_job_row(job)))
-
     def submit(
         self,
         job: JobRecord,
@@ -527,15 +514,6 @@ class Store:
                 )
             )
 
-    def fail_job(self, job_id: str, error: JobError, finished_at: datetime | None = None) -> None:
-        job = self.get_job(job_id)
-        if job is not None:
-            self.fail(job, error, finished_at=finished_at)
-
-    def release(self, node: str, device: str, owner: str) -> None:
-        with self._write() as conn:
-            self._release(conn, node, device, owner)
-
     @staticmethod
     def _release(conn: Connection, node: str, device: str, owner: str) -> None:
         conn.execute(
@@ -623,16 +601,6 @@ class Store:
             if status is not None:
                 query = query.where(jobs.c.status == status)
             return int(conn.execute(query).scalar() or 0)
-
-    def outcomes(self) -> dict[str, int]:
-        """Finished jobs by outcome (error type, or None for success), across every node."""
-        with self._read() as conn:
-            rows = conn.execute(
-                select(jobs.c.status, jobs.c.error_type, func.count())
-                .where(jobs.c.status.in_(("succeeded", "failed")))
-                .group_by(jobs.c.status, jobs.c.error_type)
-            )
-            return {("" if status == "succeeded" else str(error)): int(n) for status, error, n in rows}
 
     @staticmethod
     def _job(conn: Connection, job_id: str) -> JobRecord | None:
