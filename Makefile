@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench clean
+.PHONY: demo test chromium lint typecheck bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,10 +23,20 @@ $(STAMP): $(PY) pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/autotune probe gpt --effective-batch 256
 
-test: $(STAMP)
+test: $(STAMP) chromium
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest
+
+# tests/test_status_page.py opens the service's status page in the system's Chromium (Playwright
+# drives it; it downloads no browser). As root with apt-get, a missing one is installed; the index is
+# refreshed only when the install fails without it.
+chromium:
+	@if [ ! -x /usr/bin/chromium ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing chromium (apt-get) for tests/test_status_page.py"; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium \
+		|| { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }; \
+	fi
 
 bench: $(STAMP)
 	$(PY) bench/search.py

@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.routing import Route
 
-from api import errors, ops, v1
+from api import errors, ops, status_page, v1
 from api.jobs import Runner
 from api.security import token_bytes
 from api.service import Service
@@ -73,4 +73,5 @@ def create_app(
     app.router.routes.insert(0, Route("/v1/plan", v1.plan_route, methods=["GET"], include_in_schema=False))
     app.include_router(v1.router)
     app.include_router(ops.router)
+    app.include_router(status_page.router)  # GET /: the node's status page, for people
     return app

@@ -65,6 +65,10 @@ class PlanCache:
             self._entries.move_to_end(key)
         return body
 
+    def newest(self) -> list[tuple[tuple[object, ...], bytes]]:
+        """The cached answers, most recently used first."""
+        return list(reversed(self._entries.items()))
+
     def put(self, key: tuple[object, ...], body: bytes) -> None:
         self._entries[key] = body
         self._entries.move_to_end(key)

@@ -81,6 +81,17 @@ class StoredResult(BaseModel):
 
 
 @dataclass(frozen=True)
+class KeyedResult:
+    """A stored result with the request key it answers and the succeeded probe that made it
+    (None for a published result)."""
+
+    request_key: str
+    stored: StoredResult
+    probe_id: str | None
+    probe_workload: str | None
+
+
+@dataclass(frozen=True)
 class Submitted:
     """What `submit` found or made: a stored result, or a job (new when `created`)."""
 
@@ -243,6 +254,61 @@ class Store:
             if stored is not None:
                 found[key] = stored
         return found
+
+    def newest_results(self, limit: int) -> tuple[int, list[KeyedResult]]:
+        """How many request keys have a result, and the `limit` newest of them (by when the key's
+        answer was stored), each with the latest succeeded probe that made it, if one did."""
+        with self._read() as conn:
+            count = int(conn.execute(select(func.count()).select_from(result_keys)).scalar() or 0)
+            newest = conn.execute(
+                select(
+                    result_keys.c.request_key,
+                    results.c.fingerprint,
+                    results.c.document,
+                    results.c.source,
+                    result_keys.c.stored_at,
+                )
+                .join(results, results.c.fingerprint == result_keys.c.fingerprint)
+                .order_by(result_keys.c.stored_at.desc())
+                .limit(limit)
+            ).all()
+            fingerprints = sorted({str(row.fingerprint) for row in newest})
+            made_by: dict[str, tuple[str, str, str]] = {}
+            if fingerprints:
+                rows = conn.execute(
+                    select(jobs.c.fingerprint, jobs.c.id, jobs.c.workload, jobs.c.finished_at).where(
+                        jobs.c.status == "succeeded", jobs.c.fingerprint.in_(fingerprints)
+                    )
+                )
+                for fingerprint, job_id, workload, finished in rows:
+                    if fingerprint not in made_by or str(finished or "") > made_by[fingerprint][2]:
+                        made_by[fingerprint] = (str(job_id), str(workload), str(finished or ""))
+        found = []
+        for key, fingerprint, document, source, stored_at in newest:
+            stored = _stored(str(fingerprint), document, source, stored_at)
+            if stored is None:
+                continue
+            probe = made_by.get(str(fingerprint))
+            found.append(
+                KeyedResult(
+                    request_key=str(key),
+                    stored=stored,
+                    probe_id=probe[0] if probe else None,
+                    probe_workload=probe[1] if probe else None,
+                )
+            )
+        return count, found
+
+    def node_job_ids(self, node: str, *, active: bool, limit: int) -> list[str]:
+        """A node's queued and running jobs, oldest first (`active`), or its finished ones, newest
+        first."""
+        with self._read() as conn:
+            query = select(jobs.c.id).where(jobs.c.node == node)
+            if active:
+                query = query.where(jobs.c.status.in_(ACTIVE)).order_by(jobs.c.created_at)
+            else:
+                query = query.where(jobs.c.status.in_(("succeeded", "failed"))).order_by(jobs.c.finished_at.desc())
+            return [str(i) for i in conn.execute(query.limit(limit)).scalars()]
 
     def key_index(self) -> dict[str, str]:
         """Request key -> when its answer was stored (small rows): how a server learns of results
