@@ -125,10 +125,21 @@ def test_healthcheck_needs_no_curl_and_asks_healthz_on_the_exposed_port() -> Non
     assert "wget" not in commands
 
 
-def test_installs_the_server_extra_under_constraints() -> None:
+def _installed_extras() -> frozenset[str]:
+    """The extras of autotune that the image's one `pip install` asks for: `".[a,b]"`."""
     runs = [i.text for i in dockerfile.instructions() if i.keyword == "RUN" and "pip install" in i.text]
     assert len(runs) == 1
-    assert '".[server]"' in runs[0]
+    match = re.search(r'"\.\[([\w,-]+)\]"', runs[0])
+    assert match, f'expected pip install ".[extras]": {runs[0]}'
+    return frozenset(match.group(1).split(","))
+
+
+def test_installs_the_server_and_plot_extras_under_constraints() -> None:
+    # `server` for the service; `plot` (matplotlib) for the status page's pictures and
+    # /v1/probes/{id}/plot.png, which fail without it.
+    assert _installed_extras() == {"server", "plot"}
+    assert set(_installed_extras()) <= set(PYPROJECT["project"]["optional-dependencies"])
+    runs = [i.text for i in dockerfile.instructions() if i.keyword == "RUN" and "pip install" in i.text]
     assert "--constraint constraints.txt" in runs[0]
     for copy in (i for i in dockerfile.instructions() if i.keyword == "COPY"):
         *sources, _dest = copy.text.split()
@@ -181,17 +192,20 @@ def _closure(roots: list[Requirement], stop: frozenset[str] = frozenset()) -> di
     return found
 
 
-def test_constraints_pin_exactly_what_the_server_extra_installs() -> None:
+def test_constraints_pin_exactly_what_the_image_installs() -> None:
     pins = _pins()
     assert "torch" not in pins, "the base image's CUDA torch must be kept"
     assert "numpy" not in pins
     # What the base image already has (torch, numpy and what they pull in) stays as it is.
     base = frozenset(_closure([Requirement("torch"), Requirement("numpy")]))
     project = PYPROJECT["project"]
-    roots = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["server"]]
+    roots = [Requirement(r) for r in project["dependencies"]]
+    for extra in sorted(_installed_extras()):  # the extras the Dockerfile installs
+        roots += [Requirement(r) for r in project["optional-dependencies"][extra]]
     wanted = _closure(roots, stop=base)
     # Every package pip installs on top of the base is pinned (psycopg[binary]'s psycopg-binary,
-    # alembic's mako, ...), and nothing else: a stale pin would hide a dependency that went away.
+    # alembic's mako, matplotlib's pillow, ...), and nothing else: a stale pin would hide a
+    # dependency that went away.
     assert set(wanted) == set(pins), (
         f"not pinned: {sorted(set(wanted) - set(pins))}; pinned but not needed: {sorted(set(pins) - set(wanted))}"
     )
@@ -207,6 +221,27 @@ def test_constraints_pin_exactly_what_the_server_extra_installs() -> None:
             )
 
 
+def test_the_plot_extra_is_pinned_down_to_its_dependencies() -> None:
+    # The pictures need matplotlib and what it loads at run time (Pillow for image output,
+    # kiwisolver for the constrained layout, fonttools for embedded fonts, ...): all pinned here.
+    pins = _pins()
+    for name in ("matplotlib", "contourpy", "cycler", "fonttools", "kiwisolver", "pillow", "pyparsing"):
+        assert name in pins, name
+    assert Requirement(PYPROJECT["project"]["optional-dependencies"]["plot"][0]).name == "matplotlib"
+
+
+def test_matplotlib_writes_its_cache_where_the_service_user_can() -> None:
+    # The home is read-only under Kubernetes' readOnlyRootFilesystem; /tmp is an emptyDir there
+    # and writable by every user in the image. Elsewhere matplotlib would warn at every start.
+    config = Path(dockerfile.env()["MPLCONFIGDIR"])
+    assert config.is_absolute()
+    assert config.parts[:2] == ("/", "tmp"), config
+    # The font cache is built at build time as the service user (so it owns MPLCONFIGDIR).
+    steps = dockerfile.instructions()
+    user_at = max(i for i, s in enumerate(steps) if s.keyword == "USER")
+    assert any(s.keyword == "RUN" and "matplotlib.font_manager" in s.text for s in steps[user_at:])
+
+
 def test_the_closure_follows_extras_and_stops_at_the_base() -> None:
     # The check above is only as good as this walk: psycopg[binary] must bring psycopg-binary,
     # plain psycopg must not, and nothing of torch's may be asked to be pinned.
@@ -214,6 +249,7 @@ def test_the_closure_follows_extras_and_stops_at_the_base() -> None:
     assert "psycopg-binary" in with_binary
     assert "psycopg-binary" not in _closure([Requirement("psycopg")])
     assert "mako" in _closure([Requirement("alembic")])
+    assert {"pillow", "kiwisolver", "python-dateutil"} <= set(_closure([Requirement("matplotlib")]))
     assert "typing-extensions" not in _closure([Requirement("alembic")], stop=frozenset({"typing-extensions"}))
 
 
