@@ -16,6 +16,12 @@ Accelerate's finders, users' own handlers) treats it as an OOM. Code in an `exce
 
 Tensors created before the mode (the model's parameters and buffers) are registered with
 `track`; anything else is registered the first time an op reads it.
+
+What fills the memory at the peak (`peak_breakdown`): the trial marks storages with their role
+(`mark`: parameters, gradients, optimizer state) and the counter keeps a live total per role. Each
+new peak copies those totals and the op running; a storage marked after the peak that was already
+alive then (born no later than the peak) moves its bytes in that copy too, so the parts of the peak
+are exact and always sum to it. Cost: a small dict copy per new peak, one dict entry per storage.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from autotune.results import MemoryBreakdown, MemoryRole
 from autotune.units import format_bytes
 
 ROUNDING = 512  # the CUDA caching allocator's block size
@@ -47,6 +54,17 @@ class _Counter:
         self.refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self.live = 0
         self.peak = 0
+        # Roles: a storage's role (absent: activations and temporaries), live bytes per role, and a
+        # serial number per storage (bumped whenever it is counted anew) to tell whether it was
+        # alive at the peak. At each new peak: the per-role totals, the op, the serial.
+        self.roles: dict[int, MemoryRole] = {}
+        self.role_bytes: dict[MemoryRole, int] = {}
+        self.born: dict[int, int] = {}
+        self.serial = 0
+        self.op: object = None
+        self.peak_roles: dict[MemoryRole, int] = {}
+        self.peak_op: object = None
+        self.peak_serial = 0
         # When a list, every op appends ("op", name, live bytes after it) and every storage
         # ("born", key, raw bytes) / ("died", key, counted bytes): the memory-curve predictor
         # (autotune.predict) compares these across batch sizes.
@@ -71,9 +89,36 @@ class _Counter:
         # A storage can grow in place (resize_ through an `out=` op): count the difference.
         self.sizes[key] = size
         self.live += size - old
+        self.serial += 1
+        self.born[key] = self.serial
+        role = self.roles.get(key)
+        if role is not None:
+            self.role_bytes[role] += size - old
         if self.live > self.peak:
-            self.peak = self.live
+            self.new_peak()
         return old or None
+
+    def new_peak(self) -> None:
+        self.peak = self.live
+        self.peak_roles = dict(self.role_bytes)
+        self.peak_op = self.op
+        self.peak_serial = self.serial
+
+    def mark(self, storage: torch.UntypedStorage, role: MemoryRole) -> None:
+        """Give a counted storage its role, now and (if it was alive then) at the peak."""
+        key = id(storage)
+        size = self.sizes.get(key)
+        old = self.roles.get(key)
+        if size is None or old == role or old == "parameters":
+            return
+        self.roles[key] = role
+        self.role_bytes[role] = self.role_bytes.get(role, 0) + size
+        if old is not None:
+            self.role_bytes[old] -= size
+        if self.born[key] <= self.peak_serial:
+            self.peak_roles[role] = self.peak_roles.get(role, 0) + size
+            if old is not None:
+                self.peak_roles[old] -= size
 
     def undo(self, key: int, old: int | None) -> None:
         """Forget what an op that ran out of memory allocated: as on CUDA, it got nothing."""
@@ -81,12 +126,13 @@ class _Counter:
         if size is None:
             return
         if old is None:
-            self.sizes.pop(key)
-            self.refs.pop(key, None)
-            self.live -= size
+            self._forget(key, size)
         else:
             self.sizes[key] = old
             self.live -= size - old
+            role = self.roles.get(key)
+            if role is not None:
+                self.role_bytes[role] -= size - old
         if self.timeline is not None:
             self.timeline.append(("died", key, size))
             if old is not None:
@@ -96,11 +142,19 @@ class _Counter:
         self.drop(key)
 
     def drop(self, key: int) -> None:
-        size = self.sizes.pop(key, 0)
-        self.refs.pop(key, None)
-        self.live -= size
+        size = self.sizes.get(key, 0)
+        self._forget(key, size)
         if self.timeline is not None and size:
             self.timeline.append(("died", key, size))
+
+    def _forget(self, key: int, size: int) -> None:
+        self.sizes.pop(key, None)
+        self.refs.pop(key, None)
+        self.born.pop(key, None)
+        self.live -= size
+        role = self.roles.pop(key, None)
+        if role is not None:
+            self.role_bytes[role] -= size
 
 
 class BudgetDevice:
@@ -132,7 +186,29 @@ class BudgetDevice:
         return self._counter.peak
 
     def reset_peak(self) -> None:
-        self._counter.peak = self._counter.live
+        self._counter.new_peak()
+
+    def mark(self, tensors: Iterable[torch.Tensor], role: MemoryRole) -> None:
+        """Say what counted tensors are (the model's, gradients, optimizer state) for `peak_breakdown`."""
+        for tensor in tensors:
+            self._counter.mark(tensor.untyped_storage(), role)
+
+    def peak_breakdown(self) -> MemoryBreakdown | None:
+        """What filled the memory at the peak since `reset_peak`: exact, summing to the peak."""
+        counter = self._counter
+        roles = counter.peak_roles
+        parameters, gradients = roles.get("parameters", 0), roles.get("gradients", 0)
+        state = roles.get("optimizer_state", 0)
+        activations = counter.peak - parameters - gradients - state
+        if activations < 0:  # cannot happen (roles are parts of the live bytes); never fail a trial for it
+            return None
+        return MemoryBreakdown(
+            parameters=parameters,
+            gradients=gradients,
+            optimizer_state=state,
+            activations=activations,
+            peak_op=None if counter.peak_op is None else str(counter.peak_op),
+        )
 
     def empty_cache(self) -> None:
         """Nothing is cached on the budget device."""
@@ -153,8 +229,11 @@ class BudgetDevice:
     @contextmanager
     def active(self) -> Iterator[None]:
         """Count and enforce the limit for every op run inside this block."""
-        with _BudgetMode(self._counter, self.limit_bytes):
-            yield
+        try:
+            with _BudgetMode(self._counter, self.limit_bytes):
+                yield
+        finally:
+            self._counter.op = None  # what is counted outside the block ran in no op
 
 
 class _BudgetMode(TorchDispatchMode):
@@ -171,6 +250,7 @@ class _BudgetMode(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         counter = self.counter
+        counter.op = func
         inputs, _ = tree_flatten((args, kwargs))
         for value in inputs:
             if isinstance(value, torch.Tensor):

@@ -1,8 +1,9 @@
 """The `autotune` command line: probe, plan (and the service's serve, devices, estimate).
 
 Errors we expect (bad input, a probe that cannot answer) print one line and exit non-zero:
-2 for bad input (a flag, an argument, an AUTOTUNE_* variable), 1 for a probe that failed. No
-traceback reaches the user; with `--json`, stdout gets a JSON error document as well.
+2 for bad input (a flag, an argument, an AUTOTUNE_* variable), 1 for a probe that failed; 130
+(Ctrl-C) or 143 (SIGTERM) for a probe interrupted, once its processes have exited. No traceback
+reaches the user; with `--json`, stdout gets a JSON error document as well.
 
 Every flag is checked before anything slow starts: torch, the workload and the probe machinery are
 imported inside the commands, after the checks, so `--help`, `--version` and bad input answer at
@@ -14,7 +15,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
+import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Annotated, Any
@@ -23,6 +27,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from autotune import __version__
 from autotune.errors import AutotuneError, ConfigError, PlanError, ProbeError, WorkloadError, report
@@ -31,6 +36,7 @@ from autotune.units import format_bytes, parse_headroom, parse_size
 
 if TYPE_CHECKING:
     from autotune.probe import ProbeRequest
+    from autotune.progress import TrialProgress
     from autotune.results import ProbeResult, TrialRecord
     from autotune.settings import Settings
 
@@ -67,8 +73,18 @@ def _root(
         bool,
         typer.Option("--version", "-V", callback=_version_callback, is_eager=True, help="Print the version and exit."),
     ] = False,
+    debug: Annotated[
+        bool,
+        typer.Option(
+            "--debug",
+            help="On failure, print the full traceback (a workload's own error, from the probe's process too) "
+            "before the one-line message.  " + "[default: AUTOTUNE_DEBUG, false]",
+        ),
+    ] = False,
 ) -> None:
     """Find the largest micro-batch that fits in GPU memory, exactly, and plan accumulation."""
+    if debug:
+        _debug.append(True)
 
 
 def _trial_table(trials: list[TrialRecord], title: str) -> Table:
@@ -147,6 +163,8 @@ def _print_summary(result: ProbeResult) -> None:
     )
     if at is not None:
         out.print(f"  peak at {at.batch}: {format_bytes(at.peak_reserved_bytes)} reserved")
+    for line in _breakdown_lines(result):
+        out.print(line, highlight=False, markup=False)
     above = result.max_micro_batch + result.granularity
     failed = next((t for t in result.evidence() if t.batch == above and not t.fits), None)
     if failed is not None:
@@ -294,7 +312,11 @@ def probe(
     ] = "memory",
     plot: Annotated[
         str | None,
-        typer.Option(metavar="FILE.png", help="Write a PNG of memory against batch size (needs the plot extra)."),
+        typer.Option(
+            metavar="FILE.png",
+            help="Draw memory against batch size and what fills it at the answer (needs the plot extra); "
+            ".png, .jpg, .svg or .pdf, as the extension says.",
+        ),
     ] = None,
     prefetch: Annotated[
         int,
@@ -317,7 +339,9 @@ def probe(
     for --effective-batch. TARGET is a built-in example (mlp, cnn, gpt) or module:attribute naming a
     Workload (or a function of -o options returning one).
 
-    Exit codes: 0 with an answer, 1 when the probe could not answer, 2 for bad input."""
+    Exit codes: 0 with an answer, 1 when the probe could not answer, 2 for bad input, 130 when
+    interrupted (Ctrl-C) and 143 when terminated (SIGTERM), after the probe's processes have
+    exited, with a line saying how many trials ran."""
     # Every check that needs no torch comes first: bad input answers at once.
     if publish is not None and not publish.startswith(("http://", "https://")):
         raise ConfigError(f"--publish {publish!r} must be the service's URL, e.g. http://autotune:8000")
@@ -360,14 +384,16 @@ def probe(
     if timeout is None:
         _check_timeout(settings.probe_timeout, "AUTOTUNE_PROBE_TIMEOUT")
 
-    from autotune.probe import ProbeRequest, load_workload  # torch: only now
+    _check_ignored_flags(fields, timeout, in_process)
+    from autotune.request import ProbeRequest  # no torch: the probe's process imports it, and the workload
 
     try:
         request = ProbeRequest.model_validate({**fields, "options": _options(pairs)})
     except ValueError as exc:  # pydantic's ValidationError
         raise ConfigError(_validation_message(exc)) from None
-    _check_cpu_budget(request, settings.max_cpu_memory)
-    load_workload(request)  # bad targets and options fail here, before any process starts
+    if _on_budget_device(request.device):
+        _check_cpu_budget(request, settings.max_cpu_memory)
+    _check_target(request, in_process)
     result = _run_with_progress(request, in_process, timeout if timeout is not None else settings.probe_timeout)
     if json_output:
         _emit_json(result.model_dump_json(indent=2))
@@ -384,13 +410,125 @@ def probe(
         err.print(f"published to {publish} (fingerprint {fingerprint[:16]})", highlight=False, markup=False)
 
 
-def _run_with_progress(request: ProbeRequest, in_process: bool, timeout: float) -> ProbeResult:
-    """Run the probe, showing each trial as it finishes: a live table on a terminal, one line
-    per trial otherwise (logs, CI)."""
-    trials: list[TrialRecord] = []
-    title = f"probing {request.target}"
+class _Terminated(BaseException):
+    """SIGTERM during a probe, raised in the main thread by the handler `_run_with_progress` installs
+    (a BaseException: no `except Exception` in a trial may take it for the workload's error)."""
 
-    def run(on_trial: Callable[[TrialRecord], None]) -> ProbeResult:
+
+class ProbeInterrupted(BaseException):
+    """A probe stopped by Ctrl-C (exit 130) or SIGTERM (exit 143), its processes already ended:
+    `run` prints `message` as one line (and the JSON error document with --json)."""
+
+    def __init__(self, message: str, code: int, signal_name: str, trials: int) -> None:
+        super().__init__(message)
+        self.message, self.code, self.signal_name, self.trials = message, code, signal_name, trials
+
+
+def _count(n: int, thing: str) -> str:
+    return f"{n} {thing}{'' if n == 1 else 's'}"
+
+
+def _step_words(p: TrialProgress) -> str:
+    if p.starting:
+        return "starting a fresh process"
+    return f"step {p.step}/{p.steps} · micro-step {p.micro_step}/{p.micro_steps}"
+
+
+class ProgressView:
+    """What a probe shows while it runs, on a terminal: the table of the trials so far and, under
+    it, a spinner with the trial running (`trial 3 · batch 64 · step 2/2 · micro-step 1/3 · 3.4 s`,
+    the seconds ticking between reports). A rich renderable: `rich.live.Live` redraws it."""
+
+    def __init__(self, title: str, *, isolated: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+        from rich.spinner import Spinner
+
+        self.title = title
+        self.isolated = isolated
+        self.trials: list[TrialRecord] = []
+        self.runs = 0  # fresh-process confirmation runs that finished
+        self.current: TrialProgress | None = None
+        self.done = False
+        self._clock = clock
+        self._since = clock()  # when `current` arrived (or, with none, when the last change was)
+        self._spinner = Spinner("dots", style="cyan")
+
+    def progress(self, p: TrialProgress) -> None:
+        self.current, self._since = p, self._clock()
+
+    def trial(self, t: TrialRecord) -> None:
+        self.trials.append(t)
+        self.current, self._since = None, self._clock()
+
+    def confirmed(self, t: TrialRecord) -> None:
+        self.runs += 1
+        self.current, self._since = None, self._clock()
+
+    def status(self) -> str:
+        """The status line, in words."""
+        elapsed = self._clock() - self._since
+        p = self.current
+        if p is None:
+            if self.runs:
+                return f"confirming · {_count(self.runs, 'fresh-process run')} done · {elapsed:.1f} s"
+            if not self.trials:
+                return f"starting the probe{' process' if self.isolated else ''} · {elapsed:.1f} s"
+            return f"searching · {_count(len(self.trials), 'trial')} done · {elapsed:.1f} s"
+        seconds = p.seconds + elapsed
+        if p.phase == "confirm":
+            where = "" if p.starting else " in a fresh process"
+            return f"confirming batch {p.batch}{where} · {_step_words(p)} · {seconds:.1f} s"
+        return f"trial {len(self.trials) + 1} · batch {p.batch} · {_step_words(p)} · {seconds:.1f} s"
+
+    def __rich__(self) -> Any:
+        from rich.console import Group
+
+        table = _trial_table(self.trials, self.title)
+        if self.done:
+            return table
+        self._spinner.update(text=escape(self.status()))
+        return Group(table, self._spinner) if self.trials else self._spinner
+
+
+def _progress_line(p: TrialProgress, trial: int) -> str:
+    """A report as one plain line, for logs: `trial   3: batch     64 step 1/2 micro-step 1/1   2.10 s`."""
+    if p.phase == "confirm":
+        what = "starting a fresh process" if p.starting else _step_words(p).replace(" · ", " ")
+        return f"confirm: batch {p.batch} {what} {p.seconds:.2f} s"
+    return (
+        f"trial {trial:3d}: batch {p.batch:6d} step {p.step}/{p.steps} micro-step {p.micro_step}/{p.micro_steps} "
+        f"{p.seconds:6.2f} s"
+    )
+
+
+# A log gets a progress line for each trial's first report, then at most one a second.
+_LOG_INTERVAL_SECONDS = 1.0
+
+
+def _interrupted(exc: BaseException, trials: int, current: TrialProgress | None) -> ProbeInterrupted:
+    terminated = isinstance(exc, _Terminated)
+    done = _count(trials, "trial")
+    if current is None:
+        running = ""
+    elif current.phase == "confirm":
+        running = f" (confirming batch {current.batch} in a fresh process)"
+    else:
+        running = f" (batch {current.batch} was running, step {current.step}/{current.steps})"
+    how = "SIGTERM" if terminated else "Ctrl-C (SIGINT)"
+    message = f"interrupted after {done}{running} by {how}; the probe's processes have exited"
+    return ProbeInterrupted(message, 143 if terminated else 130, "SIGTERM" if terminated else "SIGINT", trials)
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
+def _run_with_progress(request: ProbeRequest, in_process: bool, timeout: float) -> ProbeResult:
+    """Run the probe, showing each trial as it finishes and the one running (its batch, step,
+    micro-step and seconds): a live table and a spinner on a terminal, plain lines otherwise (logs,
+    CI). Ctrl-C or SIGTERM ends the probe's processes, then raises ProbeInterrupted."""
+    view = ProgressView(f"probing {request.target}", isolated=not in_process)
+
+    def run(on_trial: Callable[[TrialRecord], None], on_progress: Callable[[TrialProgress], None]) -> ProbeResult:
         from autotune.confirm import probe_and_confirm
 
         return probe_and_confirm(
@@ -399,40 +537,79 @@ def _run_with_progress(request: ProbeRequest, in_process: bool, timeout: float) 
             in_process=in_process,
             on_trial=on_trial,
             on_run=confirming,
+            on_progress=on_progress,
         )
+
+    def say(line: str) -> None:
+        # A Text, not markup=False: print's options would reach the live table's markup as well.
+        err.print(Text(line), highlight=False)
 
     def confirming(t: TrialRecord) -> None:
+        view.confirmed(t)
         verdict = "fits" if t.fits else "OOM"
         loop = f"{t.micro_steps} micro-steps" if t.micro_steps > 1 else "1 micro-step"
-        err.print(
+        say(
             f"confirm: batch {t.batch} in a fresh process ({loop} per optimizer step): {verdict}, "
-            f"peak {format_bytes(t.peak_reserved_bytes)}, {t.seconds:.2f} s",
-            highlight=False,
-            markup=False,
+            f"peak {format_bytes(t.peak_reserved_bytes)}, {t.seconds:.2f} s"
         )
 
-    if not err.is_terminal:
+    def run_and_show() -> ProbeResult:
+        if not err.is_terminal:
+            logged = -math.inf
 
-        def log(t: TrialRecord) -> None:
-            verdict = "fits" if t.fits else "OOM "
-            err.print(
-                f"trial {len(trials) + 1:3d}: batch {t.batch:6d} x{t.micro_steps} {verdict} "
-                f"peak {format_bytes(t.peak_reserved_bytes):>10} {t.seconds:6.2f} s",
-                highlight=False,
-                markup=False,
-            )
-            trials.append(t)
+            def log(t: TrialRecord) -> None:
+                verdict = "fits" if t.fits else "OOM "
+                say(
+                    f"trial {len(view.trials) + 1:3d}: batch {t.batch:6d} x{t.micro_steps} {verdict} "
+                    f"peak {format_bytes(t.peak_reserved_bytes):>10} {t.seconds:6.2f} s"
+                )
+                view.trial(t)
 
-        return run(log)
-    from rich.live import Live
+            def log_progress(p: TrialProgress) -> None:
+                nonlocal logged
+                view.progress(p)
+                now = time.monotonic()
+                if p.first or now - logged >= _LOG_INTERVAL_SECONDS:
+                    logged = now
+                    say(_progress_line(p, len(view.trials) + 1))
 
-    with Live(_trial_table(trials, title), console=err, auto_refresh=False) as live:
+            return run(log, log_progress)
+        from rich.live import Live
 
-        def show(t: TrialRecord) -> None:
-            trials.append(t)
-            live.update(_trial_table(trials, title), refresh=True)
+        with Live(view, console=err, auto_refresh=True, refresh_per_second=8):
+            try:
+                return run(view.trial, view.progress)
+            finally:
+                view.done = True  # the last frame, drawn as Live stops: the table alone
 
-        return run(show)
+    handled = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if handled else None
+    if previous is not signal.SIG_DFL:
+        handled = False  # SIGTERM ignored or handled by the caller: left as it is
+    if handled:
+        signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return run_and_show()
+    except (KeyboardInterrupt, _Terminated) as exc:
+        raise _interrupted(exc, len(view.trials), view.current) from None
+    finally:
+        if handled:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _breakdown_lines(result: ProbeResult) -> list[str]:
+    """What filled the memory at the answer's peak, and what would shrink the largest part (plain text)."""
+    parts = result.breakdown
+    if parts is None:
+        return []
+    where = f", in {parts.peak_op}" if parts.peak_op else ""
+    shares = ", ".join(f"{label} {format_bytes(size)}" for label, size in parts.parts())
+    label, size = parts.largest()
+    share = size / parts.total if parts.total else 0.0
+    return [
+        f"  at the peak ({format_bytes(parts.total)} allocated{where}): {shares}",
+        f"  largest: {label} ({share:.0%}): {parts.lever()}",
+    ]
 
 
 def _confirmation_lines(result: ProbeResult) -> list[str]:
@@ -681,25 +858,76 @@ def _check_options(pairs: list[str] | None) -> list[str]:
 
 
 def _options(pairs: list[str]) -> dict[str, Any]:
-    from autotune.workload import parse_options  # imports torch
+    from autotune.request import parse_options
 
     return dict(parse_options(pairs))
+
+
+def _check_target(request: ProbeRequest, in_process: bool) -> None:
+    """Refuse a target that cannot be imported, before any process starts. What needs the import
+    (the attribute, the factory's options, the module's own errors) is found by whoever imports it:
+    with --in-process this process (once: the probe reuses it), otherwise the probe's child, whose
+    error comes back as the same one line. The parent never imports the workload for the child."""
+    from autotune.request import check_target
+
+    check_target(request.target)
+    if in_process:
+        from autotune.probe import load_workload  # torch
+
+        load_workload(request)
+
+
+def _on_budget_device(device: str | None) -> bool:
+    """Whether the probe runs on the cpu budget device: `--device cpu`, or no device with no CUDA
+    (read from torch's build without importing torch where it is a CPU-only build)."""
+    if device is not None:
+        return device.strip().lower() == "cpu"
+    from autotune.request import cpu_only_torch
+
+    if cpu_only_torch():
+        return True
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def _check_ignored_flags(fields: dict[str, Any], timeout: float | None, in_process: bool) -> None:
+    """Flags that would have no effect are refused, naming why, rather than silently ignored."""
+    if fields["search"] in (None, "predict") and fields["start_batch"] != 1:
+        raise ConfigError(
+            f"--start-batch {fields['start_batch']} is for --search plain: the default search (--search predict) "
+            "starts from two timeline trials at small sizes and predicts from them; add --search plain, or drop "
+            "--start-batch"
+        )
+    if timeout is not None and in_process:
+        raise ConfigError(
+            "--timeout bounds the isolated probe process, and --in-process runs the search in this process, "
+            "which nothing kills at a timeout: drop --in-process to have the timeout, or drop --timeout"
+        )
+    flags = [
+        flag
+        for flag, given in (
+            ("--budget free", fields["budget"] == "free"),
+            ("--min-free-memory", fields["min_free_memory"] is not None),
+        )
+        if given
+    ]
+    if flags and _on_budget_device(fields["device"]):
+        where = "--device cpu is" if fields["device"] is not None else "without CUDA here, the probe runs on"
+        raise ConfigError(
+            f"{flags[0]} applies to a CUDA device, and {where} the cpu budget device, whose memory no other "
+            f"process holds: drop {flags[0]}"
+            + (" (size the budget device with --memory)" if "budget" in flags[0] else "")
+        )
 
 
 def _check_cpu_budget(request: Any, cap: int) -> None:
     """The budget device really allocates the memory it simulates, in host RAM: refuse a size the
     host cannot hold, and one above AUTOTUNE_MAX_CPU_MEMORY (the cap the service has too), before
-    the probe reports host failures as out-of-memory trials and answers by host RAM."""
+    the probe reports host failures as out-of-memory trials and answers by host RAM. (Called for
+    the budget device only.)"""
     if request.memory is None:
         return
-    device = request.device or ""
-    if not device.startswith("cpu"):
-        if device:
-            return
-        import torch
-
-        if torch.cuda.is_available():
-            return
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if request.memory > cap:
         raise ConfigError(
@@ -842,7 +1070,29 @@ def _emit_json(text: str) -> None:
     _emitted.append(True)
 
 
-def _fail(message: str, code: int, label: str, data: dict[str, Any], as_json: bool) -> int:
+_debug: list[bool] = []  # --debug was given in this run
+
+
+def _debugging() -> bool:
+    if _debug:
+        return True
+    from autotune.settings import get_settings
+
+    try:
+        return get_settings().debug
+    except (AutotuneError, ValueError):  # a bad AUTOTUNE_* variable: its own error says so
+        return False
+
+
+def _fail(
+    message: str, code: int, label: str, data: dict[str, Any], as_json: bool, exc: BaseException | None = None
+) -> int:
+    if exc is not None and _debugging():
+        import traceback
+
+        # The user's code's traceback (a workload's error, maybe from the probe's process), or ours.
+        text = getattr(exc, "traceback", None) or "".join(traceback.format_exception(exc))
+        err.print(text.rstrip("\n"), highlight=False, markup=False)
     err.print(f"[red]{label}:[/] {escape(message)}", highlight=False)
     if as_json and not _emitted:  # after the result (a plot or publish failed), stderr says it
         _emit_json(json.dumps({"error": {**data, "exit_code": code}}, indent=2))
@@ -851,18 +1101,27 @@ def _fail(message: str, code: int, label: str, data: dict[str, Any], as_json: bo
 
 def run(args: Sequence[str]) -> int:
     """Run the CLI on `args` (without the program name) and return its exit code: 0, 1 when a probe
-    (or the service, or a device) failed, 2 for bad input. Messages go to stderr, one line each."""
+    (or the service, or a device) failed, 2 for bad input, 130/143 for a probe interrupted by
+    SIGINT/SIGTERM. Messages go to stderr, one line each."""
     args = list(args)
     as_json = _wants_json(args)
     _emitted.clear()
+    _debug.clear()
+    split = args.index("--") if "--" in args else len(args)
+    if "--debug" in args[:split]:  # a root option, also taken after the command, where people type it
+        args = [a for a in args[:split] if a != "--debug"] + args[split:]
+        _debug.append(True)
+    # "probe failed: ...", "estimate failed: ...": the command named, as the user typed it.
+    command = next((a for a in (args[: args.index("--")] if "--" in args else args) if not a.startswith("-")), "")
+    failed = f"{command} failed" if command == "estimate" else "probe failed"
     try:
         code = typer.main.get_command(app).main(args, prog_name="autotune", standalone_mode=False)
     except ConfigError as exc:
-        return _fail(str(exc), 2, "error", report(exc), as_json)
+        return _fail(str(exc), 2, "error", report(exc), as_json, exc)
     except ProbeError as exc:
-        return _fail(str(exc), 1, "probe failed", report(exc), as_json)
+        return _fail(str(exc), 1, failed, report(exc), as_json, exc)
     except AutotuneError as exc:
-        return _fail(str(exc), 1, "error", report(exc), as_json)
+        return _fail(str(exc), 1, "error", report(exc), as_json, exc)
     except _CLICK_ERROR as exc:
         if type(exc).__name__ == "NoArgsIsHelpError":  # bare `autotune`: the help, as click prints it
             exc.show()  # type: ignore[attr-defined]
@@ -872,9 +1131,26 @@ def run(args: Sequence[str]) -> int:
         where = f"; see '{context.command_path} --help'" if context is not None else ""
         data = {"type": "UsageError", "message": message}
         return _fail(message + where, int(getattr(exc, "exit_code", 2)), "error", data, as_json)
+    except ProbeInterrupted as exc:  # its processes are gone: one line, and the JSON document
+        err.print(exc.message, highlight=False, markup=False)
+        if as_json and not _emitted:
+            document = {
+                "type": "Interrupted",
+                "message": exc.message,
+                "signal": exc.signal_name,
+                "trials": exc.trials,
+                "exit_code": exc.code,
+            }
+            _emit_json(json.dumps({"error": document}, indent=2))
+        return exc.code
     except typer.Abort:
         err.print("aborted", highlight=False, markup=False)
         return 130
+    except Exception as exc:  # noqa: BLE001 - nobody classified it (a workload's error with --in-process): one line
+        from autotune.usercode import unexpected
+
+        error = unexpected(exc)
+        return _fail(str(error), 1, failed, report(error), as_json, error)
     return code if isinstance(code, int) else 0
 
 

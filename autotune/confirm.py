@@ -12,6 +12,10 @@ When a size runs out of memory there, the answer steps down (a few more runs, ea
 process: a guess from the failed run, then wider steps, then a bisection) to the largest size that passes, the
 plan is made again from the lowered answers, and whatever the new plan runs is confirmed in turn.
 The result's `confirmation` says what ran, what passed and what changed.
+
+A run's progress (the process starting, then each micro-step, throttled) streams back as it goes,
+for the command line's display; an interrupted caller kills and reaps the run's process before the
+exception leaves `run_fresh`.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from pydantic import BaseModel
 
 from autotune import errors
 from autotune.errors import NothingFitsError, ProbeError, ProbeTimeoutError
-from autotune.probe import ProbeRequest, TrialCallback, run_probe, with_plan
+from autotune.isolation import hold_interrupts
+from autotune.progress import ProgressCallback, TrialProgress, throttled
+from autotune.request import ProbeRequest, TrialCallback, with_plan
 from autotune.results import Confirmation, ConfirmationCheck, LoopShape, ProbeResult, TrialRecord
 from autotune.search import search_from_guess
 
@@ -196,7 +202,9 @@ def skipped(result: ProbeResult, request: ProbeRequest) -> ProbeResult:
 
 
 # Running in a fresh process ---------------------------------------------------------------------
-def fresh_runner(result: ProbeResult, request: ProbeRequest, timeout: float) -> FreshRun:
+def fresh_runner(
+    result: ProbeResult, request: ProbeRequest, timeout: float, on_progress: ProgressCallback | None = None
+) -> FreshRun:
     """A `FreshRun` that starts a new interpreter for every run."""
 
     def fresh_run(batch: int, loop: LoopShape) -> TrialRecord:
@@ -209,16 +217,18 @@ def fresh_runner(result: ProbeResult, request: ProbeRequest, timeout: float) -> 
             total_bytes=result.budget_bytes if result.device.kind == "cpu-budget" else result.device.total_bytes,
             limit_bytes=result.limit_bytes,
         )
-        return run_fresh(job, timeout)
+        return run_fresh(job, timeout, on_progress)
 
     return fresh_run
 
 
-def run_fresh(job: FreshRunRequest, timeout: float) -> TrialRecord:
+def run_fresh(job: FreshRunRequest, timeout: float, on_progress: ProgressCallback | None = None) -> TrialRecord:
     """Run one trial in a new `python -m autotune.confirm` process; its record or our error.
 
     The request goes in on the child's stdin and the answer comes back on a pipe of its own (the
-    workload may print on stdout): no file is written, so a full disk cannot fail a probe."""
+    workload may print on stdout): no file is written, so a full disk cannot fail a probe.
+    `on_progress` hears the process start, then its micro-steps (phase "confirm", seconds since
+    the process started), from a thread of its own."""
     command = [sys.executable, "-m", "autotune.confirm"]
     # The child must import autotune and the workload as this process does: its sys.path,
     # with the current directory made absolute.
@@ -226,7 +236,21 @@ def run_fresh(job: FreshRunRequest, timeout: float) -> TrialRecord:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path))}
     read_end, write_end = os.pipe()
     chunks: list[bytes] = []
-    reader = threading.Thread(target=_drain, args=(read_end, chunks), daemon=True)
+    launched = time.monotonic()
+    relay: ProgressCallback | None = None
+    if on_progress is not None:
+        callback = on_progress
+
+        def relay(p: TrialProgress) -> None:
+            callback(p.model_copy(update={"phase": "confirm", "seconds": time.monotonic() - launched}))
+
+        relay(
+            TrialProgress(
+                batch=job.batch, step=0, steps=job.loop.steps, micro_step=0, micro_steps=job.loop.micro_steps, seconds=0
+            )
+        )
+    reader = threading.Thread(target=_drain, args=(read_end, chunks, relay), daemon=True)
+    release = hold_interrupts()  # until the child is in the `try` that ends it
     try:
         child = subprocess.Popen(
             [*command, str(write_end)],
@@ -235,11 +259,17 @@ def run_fresh(job: FreshRunRequest, timeout: float) -> TrialRecord:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             pass_fds=(write_end,),
+            start_new_session=True,  # Ctrl-C goes to the caller, which ends the child
         )
+    except BaseException:
+        os.close(read_end)
+        release()
+        raise
     finally:
         os.close(write_end)  # the child holds its own copy: EOF comes when it exits
     reader.start()
     try:
+        release()
         _, stderr = child.communicate(job.model_dump_json().encode(), timeout=timeout)
     except subprocess.TimeoutExpired:
         child.kill()
@@ -248,6 +278,10 @@ def run_fresh(job: FreshRunRequest, timeout: float) -> TrialRecord:
             f"the fresh-process confirmation of batch {job.batch} ran past {timeout:g} s and was killed: "
             "raise the timeout or lower --confirm-steps"
         ) from None
+    except BaseException:  # interrupted (Ctrl-C, SIGTERM): the run must not outlive the caller
+        child.kill()
+        child.wait()
+        raise
     finally:
         reader.join(timeout=10)
     text = b"".join(chunks).decode(errors="replace")
@@ -257,7 +291,7 @@ def run_fresh(job: FreshRunRequest, timeout: float) -> TrialRecord:
             f"the fresh-process confirmation of batch {job.batch} exited with code {child.returncode} "
             f"without an answer: {tail[0]}"
         )
-    answer = json.loads(text)
+    answer = json.loads(text.splitlines()[-1])
     if "error" in answer:
         raise errors.from_report(
             answer["error"], message=f"confirmation in a fresh process: {answer['error'].get('message')}"
@@ -265,25 +299,38 @@ def run_fresh(job: FreshRunRequest, timeout: float) -> TrialRecord:
     return TrialRecord.model_validate(answer["trial"])
 
 
-def _drain(fd: int, chunks: list[bytes]) -> None:
+def _drain(fd: int, chunks: list[bytes], on_progress: ProgressCallback | None) -> None:
+    # JSON lines: progress reports as they come, then the answer (kept in `chunks`).
     with os.fdopen(fd, "rb") as pipe:
-        chunks.append(pipe.read())
+        for line in pipe:
+            if line.startswith(b'{"progress"'):
+                if on_progress is not None:
+                    on_progress(TrialProgress.model_validate(json.loads(line)["progress"]))
+            else:
+                chunks.append(line)
 
 
 def _child(answer_fd: int) -> None:
     job = FreshRunRequest.model_validate_json(sys.stdin.buffer.read())
     answer: dict[str, object]
-    try:
-        answer = {"trial": _one_trial(job).model_dump(mode="json")}
-    except errors.AutotuneError as exc:
-        answer = {"error": errors.report(exc)}
-    except Exception as exc:  # noqa: BLE001 - reported to the parent as a failed confirmation
-        answer = {"error": {"type": "ProbeError", "message": f"{type(exc).__name__}: {exc}"}}
     with os.fdopen(answer_fd, "w") as pipe:
-        pipe.write(json.dumps(answer))
+
+        def send(progress: TrialProgress) -> None:
+            pipe.write(json.dumps({"progress": progress.model_dump(mode="json")}) + "\n")
+            pipe.flush()
+
+        try:
+            answer = {"trial": _one_trial(job, throttled(send)).model_dump(mode="json")}
+        except errors.AutotuneError as exc:
+            answer = {"error": errors.report(exc, with_traceback=True)}
+        except Exception as exc:  # noqa: BLE001 - reported to the parent as a failed confirmation
+            from autotune.usercode import unexpected
+
+            answer = {"error": errors.report(unexpected(exc), with_traceback=True)}
+        pipe.write(json.dumps(answer) + "\n")
 
 
-def _one_trial(job: FreshRunRequest) -> TrialRecord:
+def _one_trial(job: FreshRunRequest, on_progress: ProgressCallback | None = None) -> TrialRecord:
     from autotune.budget import BudgetDevice
     from autotune.probe import load_workload
     from autotune.trial import ProbeDevice, TrialRunner
@@ -297,7 +344,7 @@ def _one_trial(job: FreshRunRequest) -> TrialRecord:
     else:
         device = BudgetDevice(job.total_bytes, job.limit_bytes)
     try:
-        runner = TrialRunner(workload, device, steps=job.loop.steps)
+        runner = TrialRunner(workload, device, steps=job.loop.steps, on_progress=on_progress)
     except NothingFitsError as exc:
         # The model alone did not fit in this process: as much an answer as an OOM in a step.
         return TrialRecord(
@@ -320,19 +367,24 @@ def probe_and_confirm(
     in_process: bool = False,
     on_trial: TrialCallback | None = None,
     on_run: RunCallback | None = None,
+    on_progress: ProgressCallback | None = None,
 ) -> ProbeResult:
     """Search (in an isolated child, or here), then confirm in fresh processes unless the
-    request says not to. What the CLI, the service and the client's local fallback run."""
+    request says not to. What the CLI, the service and the client's local fallback run.
+    `on_progress` hears the micro-steps inside trials and confirmation runs (throttled)."""
     if in_process:
-        result = run_probe(request, on_trial=on_trial)
+        from autotune.probe import run_probe  # torch: the isolated path leaves it to the child
+
+        relay = None if on_progress is None else throttled(on_progress)
+        result = run_probe(request, on_trial=on_trial, on_progress=relay)
         _release_cuda_cache()
     else:
         from autotune.isolation import run_isolated
 
-        result = run_isolated(request, timeout, on_trial=on_trial)
+        result = run_isolated(request, timeout, on_trial=on_trial, on_progress=on_progress)
     if not request.confirm:
         return skipped(result, request)
-    return confirm_answers(result, request, fresh_runner(result, request, timeout), on_run)
+    return confirm_answers(result, request, fresh_runner(result, request, timeout, on_progress), on_run)
 
 
 def _release_cuda_cache() -> None:

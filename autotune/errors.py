@@ -3,6 +3,7 @@
     AutotuneError                  every error autotune raises on purpose
     ├── ConfigError                bad input from a user: a size, a target, a flag (CLI exit 2)
     │   ├── WorkloadError          a target that cannot be resolved or built
+    │   │   └── FlatMemoryError    its memory does not grow with the batch (make_batch ignores it)
     │   └── PlanError              an effective batch / world size that no plan can satisfy
     ├── ProbeError                 a probe that ran and could not answer (CLI exit 1)
     │   ├── NothingFitsError       even batch 1 exceeds the budget
@@ -28,7 +29,12 @@ from typing import Any
 
 
 class AutotuneError(Exception):
-    """Base of every error autotune raises on purpose."""
+    """Base of every error autotune raises on purpose.
+
+    `traceback`: the formatted traceback of the user's code that caused it (a workload's error),
+    printed by `--debug`; it crosses the isolated child's pipe (`report(exc, with_traceback=True)`)."""
+
+    traceback: str | None = None
 
 
 class ConfigError(AutotuneError):
@@ -37,6 +43,11 @@ class ConfigError(AutotuneError):
 
 class WorkloadError(ConfigError):
     """A workload target that cannot be resolved, imported or built."""
+
+
+class FlatMemoryError(WorkloadError):
+    """A workload whose memory does not grow with the batch size: no batch would ever run out of
+    memory, so there is no largest one (usually make_batch ignores its batch_size)."""
 
 
 class DoubleScalingError(ConfigError):
@@ -123,9 +134,12 @@ class NoSuchDeviceError(ServiceError):
     local probe in its place: ask for a device the node has (`cpu` always), or another node."""
 
 
-def report(exc: AutotuneError) -> dict[str, Any]:
-    """An error as plain data (its class name, message and details), to cross a pipe or HTTP."""
+def report(exc: AutotuneError, *, with_traceback: bool = False) -> dict[str, Any]:
+    """An error as plain data (its class name, message and details), to cross a pipe or HTTP;
+    `with_traceback` adds the user code's traceback (for our own pipes, not for HTTP or --json)."""
     data: dict[str, Any] = {"type": type(exc).__name__, "message": str(exc)}
+    if with_traceback and exc.traceback:
+        data["traceback"] = exc.traceback
     if isinstance(exc, NothingFitsError):
         data.update(peak_bytes=exc.peak_bytes, limit_bytes=exc.limit_bytes)
     elif isinstance(exc, NotAnOOMError):
@@ -150,10 +164,15 @@ def from_report(data: Mapping[str, Any], message: str | None = None) -> Autotune
     `message` replaces the reported one (to say where the error came from)."""
     cls = _probe_side().get(str(data.get("type", "")), ProbeError)
     text = message if message is not None else str(data.get("message", "the probe failed"))
+    error: AutotuneError
     if cls is NothingFitsError:
-        return NothingFitsError(text, peak_bytes=data.get("peak_bytes"), limit_bytes=data.get("limit_bytes") or 0)
-    if cls is NotAnOOMError:
-        return NotAnOOMError(
+        error = NothingFitsError(text, peak_bytes=data.get("peak_bytes"), limit_bytes=data.get("limit_bytes") or 0)
+    elif cls is NotAnOOMError:
+        error = NotAnOOMError(
             text, batch=data.get("batch") or 0, original=str(data.get("original", data.get("message", "")))
         )
-    return cls(text)
+    else:
+        error = cls(text)
+    if isinstance(data.get("traceback"), str):
+        error.traceback = data["traceback"]
+    return error

@@ -22,6 +22,7 @@ reads values fails with a clear message.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -42,6 +43,9 @@ from autotune.settings import get_settings
 from autotune.trial import TrialRunner
 from autotune.units import format_bytes
 from autotune.workload import OptionValue, Workload, resolve
+
+# torch's logger that prints a traceback for each op whose fake (meta) kernel fails.
+_FAKE_TENSOR_LOG = "torch._subclasses.fake_tensor"
 
 # What a CUDA device holds besides the tensors a step allocates: the context (about 500 MiB on
 # recent GPUs with lazy module loading), cuBLAS/cuBLASLt workspaces (tens of MiB per stream) and
@@ -101,14 +105,34 @@ def _always_step(self: Any, optimizer: torch.optim.Optimizer, state: Any, *args:
     return optimizer.step(*args, **kwargs)
 
 
+class FakeKernelFailures(logging.Handler):
+    """Keeps the ops whose fake (meta) kernel failed, which torch's fake-tensor logger would print
+    with a 20-line traceback each (`failed while attempting to run meta for aten._grouped_mm`): the
+    error itself reaches the user as one line, naming the op."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.ops: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if isinstance(record.args, tuple) and record.args:
+            self.ops.append(str(record.args[0]))
+
+
 @contextmanager
-def fake_execution() -> Iterator[FakeTensorMode]:
-    """A fresh fake mode, with the GradScaler's data-dependent inf-check replaced by a step."""
+def fake_execution() -> Iterator[tuple[FakeTensorMode, FakeKernelFailures]]:
+    """A fresh fake mode, with the GradScaler's data-dependent inf-check replaced by a step, and
+    torch's fake-tensor log kept rather than printed."""
     mode = FakeTensorMode()
+    failures = FakeKernelFailures()
+    log = logging.getLogger(_FAKE_TENSOR_LOG)
+    saved = log.handlers, log.propagate
+    log.handlers, log.propagate = [failures], False
     with mock.patch.object(torch.amp.GradScaler, "_maybe_opt_step", _always_step):
         try:
-            yield mode
+            yield mode, failures
         finally:
+            log.handlers, log.propagate = saved
             FakeTensorMode.cache_clear()
 
 
@@ -137,7 +161,7 @@ def estimate(
             f"{format_bytes(overhead_bytes)} leaves nothing: give more --memory or less --overhead"
         )
     device = BudgetDevice(memory_bytes, limit)
-    with fake_execution() as mode:
+    with fake_execution() as (mode, failures):
         model = fake_model(workload, mode)
         with mode:
             # The accumulating loop: the answer that holds whatever the plan (see autotune.probe).
@@ -154,10 +178,17 @@ def estimate(
             try:
                 found = predicted_search(trial, device, cap=max_batch, granularity=granularity, limit_bytes=limit)
             except NotAnOOMError as exc:
-                if "DataDependent" in exc.original:
+                if "DataDependent" in exc.original or "DynamicOutputShape" in exc.original:
                     raise WorkloadError(
-                        f"{target} reads tensor values during its step (.item(), data-dependent shapes): "
-                        "fake tensors have none, so it cannot be estimated; probe it on a device instead"
+                        f"{target} reads tensor values during its step (.item(), data-dependent shapes), and fake "
+                        "tensors have none, so it cannot be estimated (probe it on a device instead: autotune probe): "
+                        f"{exc.original.removeprefix('an error that is not out-of-memory: ')}"
+                    ) from None
+                if failures.ops:
+                    raise WorkloadError(
+                        f"{target} cannot be estimated: fake tensors cannot run {failures.ops[-1]} for its inputs, "
+                        "though its CPU kernel may (probe it on a device instead: autotune probe): "
+                        f"{exc.original.removeprefix('an error that is not out-of-memory: ')}"
                     ) from None
                 raise
         state = runner.baseline_bytes

@@ -89,8 +89,10 @@ def build_on_meta(workload: Workload, *, batch: bool = True) -> tuple[nn.Module,
             model = workload.build_model()
             made = workload.make_batch(1, torch.device("meta")) if batch else None
     except Exception as exc:  # noqa: BLE001 - user code; reported as a workload error
-        raise WorkloadError(
-            f"building workload {workload.name!r} on the meta device failed: {type(exc).__name__}: {exc}"
+        from autotune.usercode import attach, describe
+
+        raise attach(
+            WorkloadError(f"building workload {workload.name!r} on the meta device failed: {describe(exc)}"), exc
         ) from None
     if not isinstance(model, nn.Module):
         raise WorkloadError(f"the model factory of {workload.name!r} returned {type(model).__name__}, not a Module")

@@ -14,6 +14,9 @@ from contextlib import contextmanager
 import torch
 
 from autotune.errors import DeviceError
+from autotune.results import MemoryBreakdown, MemoryRole
+
+BLOCK = 512  # the caching allocator rounds every block up to a multiple of this
 
 
 def cuda_available() -> bool:
@@ -43,9 +46,34 @@ class CudaDevice:
         self.limit_bytes = limit_bytes
         torch.cuda.set_device(index)
         torch.cuda.set_per_process_memory_fraction(limit_bytes / self.total_bytes, index)
+        # For peak_breakdown: the model's bytes, and the largest gradients and optimizer state
+        # marked since the last reset_peak (the allocator does not say when its peak happened).
+        self._parameters = 0
+        self._marked: dict[MemoryRole, int] = {}
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         """The allocator already counts every tensor on the device."""
+
+    def mark(self, tensors: Iterable[torch.Tensor], role: MemoryRole) -> None:
+        """Record the bytes of what a trial says these tensors are (see `peak_breakdown`)."""
+        nbytes = _block_bytes(tensors)
+        if role == "parameters":
+            self._parameters = nbytes
+        else:
+            self._marked[role] = max(self._marked.get(role, 0), nbytes)
+
+    def peak_breakdown(self) -> MemoryBreakdown | None:
+        """The allocated peak split into the model's tensors, the largest gradients and optimizer
+        state seen at an optimizer step, and the rest (activations and temporaries); approximate:
+        the moment of the peak is unknown. None if those parts exceed the peak."""
+        peak = self.peak_allocated_bytes()
+        gradients, state = self._marked.get("gradients", 0), self._marked.get("optimizer_state", 0)
+        rest = peak - self._parameters - gradients - state
+        if rest < 0:
+            return None
+        return MemoryBreakdown(
+            parameters=self._parameters, gradients=gradients, optimizer_state=state, activations=rest
+        )
 
     def live_bytes(self) -> int:
         return int(torch.cuda.memory_allocated(self.index))
@@ -58,6 +86,7 @@ class CudaDevice:
 
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.index)
+        self._marked.clear()
 
     def empty_cache(self) -> None:
         """Leave the allocator as a fresh process finds it after building the model.
@@ -80,6 +109,12 @@ class CudaDevice:
     @contextmanager
     def active(self) -> Iterator[None]:
         yield
+
+
+def _block_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the tensors' distinct storages, each rounded up to the allocator's block size."""
+    sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(-(-n // BLOCK) * BLOCK for n in sizes.values())
 
 
 def _uuid(props: object) -> str | None:

@@ -12,7 +12,11 @@ happens to the child, the caller gets a `ProbeResult` or one of our `ProbeError`
 
 The child never outlives its caller: it exits when its stdin reaches end of file (the caller has
 gone, however it went: the kernel closes its end) or when its parent process changes, checked
-every second; a caller that exits normally kills its live children on the way out.
+every second; a caller that exits normally kills its live children on the way out, and a caller
+interrupted (Ctrl-C, SIGTERM turned into an exception) kills and reaps its child before the
+exception leaves `run_isolated`. The child runs in a session of its own, so a terminal's Ctrl-C
+reaches the caller alone (not a traceback from the child in the middle of the caller's message).
+The child also streams the progress inside each trial (`autotune.progress`), throttled.
 """
 
 from __future__ import annotations
@@ -27,12 +31,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from autotune import errors
 
 if TYPE_CHECKING:
     from autotune.probe import ProbeRequest, TrialCallback
+    from autotune.progress import ProgressCallback
     from autotune.results import ProbeResult
 
 WATCH_SECONDS = 1.0  # how often the child checks that its parent is still the one that started it
@@ -62,6 +68,28 @@ def _kill_live_children() -> None:
 atexit.register(_kill_live_children)
 
 
+def hold_interrupts() -> Callable[[], None]:
+    """Hold Ctrl-C (and a SIGTERM turned into an exception) until the returned `release()`, which
+    raises what came meanwhile: a child started in between is then in the hands of the code that
+    ends it (an interrupt inside `Popen` would lose the child it has just started). Only in the main
+    thread, and only signals with a Python handler; elsewhere `release` does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    held: list[int] = []
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {s: h for s, h in previous.items() if callable(h)}
+    for number in handlers:
+        signal.signal(number, lambda signum, frame: held.append(signum))
+
+    def release() -> None:
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+        for signum in held[:1]:
+            handlers[signal.Signals(signum)](signum, None)
+
+    return release
+
+
 def _end(child: subprocess.Popen[bytes]) -> None:
     if child.poll() is None:
         child.kill()
@@ -89,21 +117,27 @@ def run_isolated(
     request: ProbeRequest,
     timeout: float,
     on_trial: TrialCallback | None = None,
+    on_progress: ProgressCallback | None = None,
 ) -> ProbeResult:
     """Run `request` in a fresh child interpreter; raise ProbeTimeoutError or ProbeCrashedError
-    if it does not come back with an answer, or the error the probe failed with."""
+    if it does not come back with an answer, or the error the probe failed with. `on_progress`
+    hears the micro-steps inside each trial (at most every 0.1 s, and each trial's first)."""
+    from autotune.progress import TrialProgress
     from autotune.results import ProbeResult, TrialRecord
 
     read_end, write_end = os.pipe()
+    release = hold_interrupts()  # until the child is in the `try` that ends it
     try:
         child = subprocess.Popen(
             [sys.executable, "-m", "autotune.isolation", str(write_end), str(os.getpid())],
             env=_child_env(),
             stdin=subprocess.PIPE,
             pass_fds=(write_end,),
+            start_new_session=True,  # Ctrl-C goes to the caller, which ends the child
         )
     except BaseException:
         os.close(read_end)
+        release()
         raise
     finally:
         os.close(write_end)  # the child holds the only writer: EOF means it is gone
@@ -115,6 +149,7 @@ def run_isolated(
     answers = select.poll()  # not select(): a busy server's descriptors can pass FD_SETSIZE
     answers.register(read_end, select.POLLIN)
     try:
+        release()
         assert child.stdin is not None
         try:
             # One line, far below a pipe's buffer: this does not wait for the child. Its stdin
@@ -143,7 +178,10 @@ def run_isolated(
             *lines, pending = (pending + chunk).split(b"\n")
             for line in lines:
                 message = json.loads(line)
-                if "trial" in message:
+                if "progress" in message:
+                    if on_progress is not None:
+                        on_progress(TrialProgress.model_validate(message["progress"]))
+                elif "trial" in message:
                     trials += 1
                     if on_trial is not None:
                         on_trial(TrialRecord.model_validate(message["trial"]))
@@ -203,14 +241,21 @@ def _child(answer_fd: int, parent_pid: int) -> None:
 
     try:
         from autotune.probe import ProbeRequest, run_probe
+        from autotune.progress import throttled
 
         request = ProbeRequest.model_validate_json(line)
-        result = run_probe(request, on_trial=lambda t: send({"trial": t.model_dump(mode="json")}))
+        result = run_probe(
+            request,
+            on_trial=lambda t: send({"trial": t.model_dump(mode="json")}),
+            on_progress=throttled(lambda p: send({"progress": p.model_dump(mode="json")})),
+        )
         send({"result": result.model_dump(mode="json")})
     except errors.AutotuneError as exc:
-        send({"error": errors.report(exc)})
+        send({"error": errors.report(exc, with_traceback=True)})
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises ProbeError
-        send({"error": {"type": "ProbeError", "message": f"probe failed: {type(exc).__name__}: {exc}"}})
+        from autotune.usercode import unexpected
+
+        send({"error": errors.report(unexpected(exc), with_traceback=True)})
     finally:
         answers.close()
 

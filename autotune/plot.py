@@ -1,9 +1,13 @@
-"""The memory-vs-batch picture of a probe result, as PNG bytes.
+"""The memory-vs-batch picture of a probe result, as PNG (or JPEG, SVG, PDF) bytes.
 
 `render_plot(result)` draws each trial's peak (fitting and out-of-memory trials apart), the
 predicted peak-memory curve when the predictor ran, the budget and the limit (budget minus
-headroom), and the answer. It only reads a `ProbeResult`, so the CLI (`--plot probe.png`) and the
-service (`GET /v1/probes/{id}/plot.png`) draw the same picture of a stored result.
+headroom), and the answer; beside it, a stacked bar of what filled the memory at the answer's peak
+(parameters, gradients, optimizer state, activations and temporaries) when the result has it. The
+legends sit below the axes, outside the data, so they never cover the answer. It only reads a
+`ProbeResult`, so the CLI (`--plot probe.png`) and the service (`GET /v1/probes/{id}/plot.png`,
+always PNG) draw the same picture of a stored result. `--plot` writes the format its extension
+names (`FORMATS`) and refuses any other before the probe starts.
 
 matplotlib is an optional extra (`pip install autotune[plot]`): it is imported when a plot is
 asked for, and its absence is a ConfigError with the install hint. We draw on a `Figure` with the
@@ -17,11 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from autotune.errors import ConfigError
-from autotune.results import ProbeResult
+from autotune.results import MemoryBreakdown, ProbeResult
 from autotune.units import format_bytes
 
 MIB = 2**20
-FORMATS = (".png",)  # what render_plot draws; the service serves the same PNG
+# The extensions --plot accepts and the format each is written in; the service serves PNG.
+FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".svg": "svg", ".pdf": "pdf"}
+# Colours of the breakdown's parts (MemoryBreakdown.parts' order).
+PART_COLORS = ("tab:gray", "tab:olive", "tab:brown", "tab:cyan")
 
 
 def require_matplotlib() -> None:
@@ -37,7 +44,7 @@ def _figure() -> Any:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(8, 5), dpi=100)
+    figure = Figure(figsize=(10, 5.6), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
     return figure
 
@@ -46,10 +53,19 @@ def _mib(n: int | None) -> float:
     return (n or 0) / MIB
 
 
-def render_plot(result: ProbeResult) -> bytes:
-    """A PNG of the result's trials, predicted curve, budget, limit and answer."""
-    figure = _figure()
-    ax = figure.add_subplot(1, 1, 1)
+def render_plot(result: ProbeResult, format: str = "png") -> bytes:
+    """The picture of the result's trials, predicted curve, budget, limit and answer, and of the
+    memory breakdown at the answer; PNG unless `format` names another (a value of FORMATS)."""
+    figure = _figure()  # first: without matplotlib, the ConfigError with the install hint
+    from matplotlib.ticker import MaxNLocator
+
+    breakdown = result.breakdown
+    if breakdown is None:
+        ax = figure.add_subplot(1, 1, 1)
+    else:
+        grid = figure.add_gridspec(1, 2, width_ratios=(4, 1))
+        ax = figure.add_subplot(grid[0, 0])
+        _draw_breakdown(figure.add_subplot(grid[0, 1], sharey=ax), result, breakdown)
     prediction = result.prediction
     if prediction is not None and prediction.curve:
         ax.plot(
@@ -105,28 +121,48 @@ def render_plot(result: ProbeResult) -> bytes:
     ax.set_xlabel("micro-batch size")
     ax.set_ylabel("peak memory (MiB)")
     ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # batch sizes are whole numbers
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
-    figure.tight_layout()
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, fontsize=8, frameon=False)
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
+    figure.savefig(buffer, format=format)
     return buffer.getvalue()
+
+
+def _draw_breakdown(ax: Any, result: ProbeResult, breakdown: MemoryBreakdown) -> None:
+    """One stacked bar: what filled the memory at the answer's peak, on the main axes' scale."""
+    bottom = 0.0
+    for (label, size), color in zip(breakdown.parts(), PART_COLORS, strict=True):
+        ax.bar(0, _mib(size), bottom=bottom, width=0.6, color=color, label=f"{label}: {format_bytes(size)}")
+        bottom += _mib(size)
+    ax.axhline(_mib(result.limit_bytes), color="tab:orange", linestyle="--", linewidth=1)
+    ax.set_xlim(-0.6, 0.6)
+    ax.set_xticks([0], [f"batch {result.max_micro_batch}"])
+    ax.tick_params(axis="y", labelleft=False)
+    where = f"\nin {breakdown.peak_op}" if breakdown.peak_op else ""
+    ax.set_title(f"at the answer's peak{where}", fontsize=9)
+    ax.grid(True, axis="y", alpha=0.3)
+    # Largest part on top in the legend, as in the stack.
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles[::-1], labels[::-1], loc="upper center", bbox_to_anchor=(0.5, -0.12), fontsize=8, frameon=False)
 
 
 def check_plot_path(path: str | Path, flag: str = "--plot") -> Path:
     """The path a plot will be written to, refused now (before a probe spends minutes) when it
-    cannot be: empty, not a .png, a directory, in a directory that does not exist or that this user
+    cannot be: empty, an extension FORMATS lacks, a directory, in a directory that does not exist or that this user
     cannot write. A ConfigError names `flag` and says what to do."""
     text = str(path)
     if not text.strip():
-        raise ConfigError(f"{flag} is empty: give the PNG file to write, for example {flag} probe.png")
+        raise ConfigError(f"{flag} is empty: give the image file to write, for example {flag} probe.png")
     target = Path(text).expanduser()
     if target.is_dir():
         raise ConfigError(f"{flag} {text!r} is a directory: name a file in it, for example {target / 'probe.png'}")
     if target.suffix.lower() not in FORMATS:
         shown = f"the extension {target.suffix!r}" if target.suffix else "no extension"
         raise ConfigError(
-            f"{flag} {text!r} has {shown}: the plot is a PNG, so name the file {target.with_suffix('.png')}"
+            f"{flag} {text!r} has {shown}: the plot is written as PNG, JPEG, SVG or PDF, so name the file "
+            f"{target.with_suffix('.png')} (or end it in {', '.join(f for f in FORMATS if f != '.png')})"
         )
     parent = target.parent
     if not parent.is_dir():
@@ -145,11 +181,16 @@ def check_plot_path(path: str | Path, flag: str = "--plot") -> Path:
 
 
 def write_plot(result: ProbeResult, path: str | Path) -> Path:
-    """Render and write the PNG; returns the path written. An unwritable path is a ConfigError."""
+    """Render and write the picture in the format the extension names (PNG for .png, JPEG for
+    .jpg/.jpeg, SVG, PDF); returns the path written. Another extension, or an unwritable path, is a
+    ConfigError."""
     target = Path(path).expanduser()
-    png = render_plot(result)
+    written = FORMATS.get(target.suffix.lower())
+    if written is None:
+        raise ConfigError(f"cannot write the plot to {str(path)!r}: name a file ending in {', '.join(FORMATS)}")
+    picture = render_plot(result, format=written)
     try:
-        target.write_bytes(png)
+        target.write_bytes(picture)
     except OSError as exc:
         raise ConfigError(f"cannot write the plot to {str(path)!r}: {exc.strerror or exc}") from None
     return target

@@ -36,10 +36,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotune.budget import ROUNDING
-from autotune.errors import NothingFitsError
+from autotune.errors import FlatMemoryError, NothingFitsError
 from autotune.results import CurvePoint, Prediction, TrialRecord
-from autotune.search import SearchOutcome, TrialFn, search, search_from_guess
+from autotune.search import MAKE_BATCH_HINT, SearchOutcome, TrialFn, search, search_from_guess
 from autotune.trial import ProbeDevice
+from autotune.units import format_bytes
 
 # Batch 1 can run a different op sequence (a squeezed dimension, a fast path), so the pair starts
 # at 2; the third size is the second pair's upper end when the first pair's sequences differ.
@@ -201,6 +202,11 @@ class StorageModel:
     def peak(self, batch: int) -> int:
         return int(self.timeline(batch).max()) if self.ops else self.base
 
+    @property
+    def grows(self) -> bool:
+        """Whether any storage's raw size depends on the batch (rounding can hide it in live bytes)."""
+        return bool((self.nbytes_p != self.nbytes_q).any())
+
 
 def largest_fitting(model: CurveModel, limit: int, guess: int) -> int:
     """The largest B >= 1 with model.peak(B) <= limit (0 when none), found from `guess` with the
@@ -230,7 +236,11 @@ def predict(a: Timeline, b: Timeline, limit: int, *, exact_storages: bool = True
     if storage is None:
         return first, envelope
     if first is None:
-        return None, storage
+        if not storage.grows:
+            return None, storage
+        # Per-sample tensors of a few bytes: the live bytes, rounded to blocks, are the same at
+        # both probes, but the raw sizes grow, and the storage model rounds them at any size.
+        first = 1
     return largest_fitting(storage, limit, first), storage
 
 
@@ -386,12 +396,20 @@ def predicted_search(
     model: CurveModel | None = None
     if pair is not None:
         raw, model = predict(pair[0], pair[1], limit_bytes)
-        if raw is None and cap is None:
-            reason = "memory does not grow with the batch size: nothing to extrapolate"
+        if raw is None and isinstance(model, StorageModel):
+            # Every storage has the same raw size at both probes: nothing depends on the batch.
+            low, high = known[pair[0].batch], known[pair[1].batch]
+            raise FlatMemoryError(
+                f"memory does not grow with the batch: the timeline trials at batch {low.batch} and {high.batch} "
+                f"both peak at {format_bytes(high.peak_allocated_bytes or 0)} and no tensor's size depends on the "
+                f"batch, so there is no largest batch that fits: {MAKE_BATCH_HINT}"
+            )
+        if raw is None:
+            # Live bytes rounded to the allocator's blocks: tiny per-sample tensors may not show at
+            # the probes. The plain search finds out (it stops when memory does not grow at all).
+            reason = f"memory did not grow between batch {pair[0].batch} and {pair[1].batch}: nothing to extrapolate"
         else:
-            guess = raw if raw is not None else cap
-            assert guess is not None  # raw is None only with a cap here
-            predicted = on_grid(guess)
+            predicted = on_grid(raw)
             if caches_blocks(probes) and predicted >= granularity:
                 # CUDA: the timeline counts allocated bytes, the cap applies to reserved ones, and
                 # their ratio at the small probes (mostly small-block segments and the cache) is

@@ -1,8 +1,9 @@
 """A probe, end to end: open the device, build the workload, search, plan, and report.
 
-`ProbeRequest` is everything a probe needs, as plain data: the CLI builds one from its flags, the
-service from a request body, and the isolated child receives one over a pipe. `run_probe` runs it
-in this process; `autotune.isolation.run_isolated` runs it in a fresh child interpreter.
+`ProbeRequest` is everything a probe needs, as plain data (`autotune.request`, re-exported here):
+the CLI builds one from its flags, the service from a request body, and the isolated child receives
+one over a pipe. `run_probe` runs it in this process; `autotune.isolation.run_isolated` runs it in a
+fresh child interpreter.
 
 `probe_workload` probes a Workload *object* (live objects, `Workload.from_model`, or a framework's
 own loop through `train=`) in this process, with the request's fields as keywords: a fresh process
@@ -17,17 +18,16 @@ import gc
 import platform
 import time
 from collections.abc import Callable
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, Field, field_validator, model_validator
 
 from autotune import __version__, fingerprint, gpu, nvml
 from autotune.budget import BudgetDevice
 from autotune.errors import ConfigError, InsufficientMemoryError
 from autotune.objective import time_and_choose
-from autotune.plan import Policy, plan_for_loops
 from autotune.predict import predicted_search
+from autotune.progress import ProgressCallback
+from autotune.request import ProbeRequest, TrialCallback, parse_device, with_plan  # (re-exported)
 from autotune.results import (
     DeviceInfo,
     LoopAnswer,
@@ -41,72 +41,8 @@ from autotune.results import (
 from autotune.search import SearchOutcome, search, search_from_guess
 from autotune.settings import get_settings
 from autotune.trial import ProbeDevice, TrainLoop, TrialRunner
-from autotune.units import format_bytes, parse_headroom, parse_size
-from autotune.workload import OptionValue, Workload, resolve
-
-TrialCallback = Callable[[TrialRecord], None]
-
-
-class ProbeRequest(BaseModel):
-    """What to probe and how. Sizes accept strings like "24GiB"; headroom 0.05, "5%" or "2GiB"."""
-
-    target: str = Field(description="Built-in example name or module:attribute.")
-    options: dict[str, OptionValue] = Field(default_factory=dict)
-    device: str | None = Field(default=None, description="cuda, cuda:N or cpu; default CUDA when present.")
-    memory: int | None = Field(default=None, description="Probe as if the device had this many bytes.")
-    budget: Literal["total", "free"] | None = None
-    headroom: float | int | None = None
-    precision: Literal["fp32", "bf16", "fp16"] | None = None
-    optimizer: Literal["sgd", "adam", "adamw"] | None = None
-    steps: int = Field(default=2, ge=1, le=100)
-    max_batch: int | None = Field(default=None, ge=1)
-    start_batch: int = Field(default=1, ge=1)
-    granularity: int = Field(default=1, ge=1)
-    effective_batch: int | None = Field(default=None, ge=1)
-    world_size: int = Field(default=1, ge=1)
-    policy: Policy = Policy.FEWEST_STEPS
-    min_free_memory: int | None = Field(default=None, ge=0)
-    search: Literal["plain", "predict"] = Field(
-        default="predict", description="predict: two timeline trials predict the answer, two verify it."
-    )
-    objective: Literal["memory", "throughput"] = Field(
-        default="memory", description="throughput: plan the fitting micro-batch with the least time per step."
-    )
-    prefetch: int = Field(
-        default=0, ge=0, le=16, description="Further batches the job's loader holds on the device during a step."
-    )
-    confirm: bool = Field(default=True, description="Run the answer again in a fresh process after the search.")
-    confirm_steps: int = Field(default=2, ge=1, le=100, description="Optimizer steps of each confirmation run.")
-
-    @field_validator("memory", "min_free_memory", mode="before")
-    @classmethod
-    def _size(cls, value: object) -> object:
-        return parse_size(value) if isinstance(value, str) else value
-
-    @field_validator("headroom", mode="before")
-    @classmethod
-    def _headroom(cls, value: object) -> object:
-        return parse_headroom(value) if isinstance(value, str) else value
-
-    @model_validator(mode="after")
-    def _check(self) -> ProbeRequest:
-        if self.device is not None:
-            parse_device(self.device)
-        if isinstance(self.headroom, float) and not 0 <= self.headroom < 1:
-            raise ValueError("headroom fraction must be in [0, 1)")
-        return self
-
-
-def parse_device(spec: str) -> tuple[str, int]:
-    """("cpu", 0) or ("cuda", N) from cpu, cuda or cuda:N; a ConfigError otherwise."""
-    text = spec.strip().lower()
-    if text == "cpu":
-        return "cpu", 0
-    if text == "cuda":
-        return "cuda", 0
-    if text.startswith("cuda:") and text[5:].isascii() and text[5:].isdigit():
-        return "cuda", int(text[5:])
-    raise ConfigError(f"unknown device {spec!r}: use cuda, cuda:N or cpu")
+from autotune.units import format_bytes
+from autotune.workload import Workload, resolve
 
 
 def device_spec(device: torch.device) -> str:
@@ -223,12 +159,14 @@ def run_probe(
     *,
     workload: Workload | None = None,
     train: Callable[[TrialRunner], TrainLoop] | None = None,
+    on_progress: ProgressCallback | None = None,
 ) -> ProbeResult:
     """Search both loop shapes in this process; the fresh-process confirmation is
     `autotune.confirm`'s. Raises ConfigError, WorkloadError or ProbeError.
 
     `workload`: probe this object rather than the request's target. `train`: makes the job's own
-    loop for the runner (a framework's), run instead of the workload's step."""
+    loop for the runner (a framework's), run instead of the workload's step. `on_progress`: told
+    as each micro-step of a trial begins (every one: throttle it for a pipe)."""
     started = time.perf_counter()
     if workload is None:
         workload = load_workload(request)
@@ -237,7 +175,9 @@ def run_probe(
     device, policy, budget, room = open_device(request)
     info = device_info(device)
     key = result_fingerprint(workload, request, info, device.limit_bytes)
-    runner = TrialRunner(workload, device, steps=request.steps, prefetch=request.prefetch, train=train)
+    runner = TrialRunner(
+        workload, device, steps=request.steps, prefetch=request.prefetch, train=train, on_progress=on_progress
+    )
     single = LoopShape(micro_steps=1, steps=request.steps, prefetch=request.prefetch)
     accumulating = single.model_copy(update={"micro_steps": ACCUMULATING_MICRO_STEPS})
 
@@ -357,6 +297,7 @@ def probe_workload(
     *,
     on_trial: TrialCallback | None = None,
     train: Callable[[TrialRunner], TrainLoop] | None = None,
+    on_progress: ProgressCallback | None = None,
     **fields: object,
 ) -> ProbeResult:
     """Probe a Workload object in this process; `fields` are ProbeRequest's (memory="6GiB",
@@ -378,7 +319,7 @@ def probe_workload(
     if freeze:
         gc.freeze()
     try:
-        result = run_probe(request, on_trial, workload=workload, train=train)
+        result = run_probe(request, on_trial, workload=workload, train=train, on_progress=on_progress)
     finally:
         if freeze:
             gc.unfreeze()
@@ -391,27 +332,6 @@ def probe_workload(
     )
     confirmation = Confirmation(status="skipped", passed=False, steps=request.confirm_steps, note=note)
     return result.model_copy(update={"confirmation": confirmation})
-
-
-def with_plan(result: ProbeResult, request: ProbeRequest) -> ProbeResult:
-    """The result with the plan for the request's effective batch (none without one)."""
-    if request.effective_batch is None:
-        return result.model_copy(update={"plan": None})
-    if result.throughput is not None:
-        # The throughput objective's choice is an accumulating micro-batch no larger than the answer.
-        chosen = min(result.throughput.micro_batch, result.max_micro_batch)
-        made = result.with_model_warnings(
-            plan_for_loops(
-                request.effective_batch,
-                chosen,
-                request.world_size,
-                request.policy,
-                without_accumulation=result.max_micro_batch_without_accumulation,
-            )
-        )
-    else:
-        made = result.make_plan(request.effective_batch, request.world_size, request.policy)
-    return result.model_copy(update={"plan": made})
 
 
 def _search(

@@ -50,6 +50,77 @@ class LoopShape(BaseModel):
         return f"{micro}, {self.steps} optimizer step(s){held}"
 
 
+# The roles a trial marks storages with; whatever has none is activations and temporaries.
+MemoryRole = Literal["parameters", "gradients", "optimizer_state"]
+
+
+class MemoryBreakdown(BaseModel):
+    """What filled the memory at a trial's peak; the parts sum to `total`, the trial's
+    `peak_allocated_bytes`, exactly.
+
+    On the CPU budget device every part is exact at the moment of the peak (bytes rounded to 512 B
+    as the device counts them): each storage alive at that moment is counted once, under the role
+    it had during the trial. `parameters`: the model's parameters and buffers. `gradients`:
+    storages that were parameters' `.grad` when an optimizer step began (a gradient of the current
+    backward that was alive at the peak counts here even if it became a `.grad` just after).
+    `optimizer_state`: tensors in the optimizer's `state` after its step (Adam's moments and step
+    counters, momentum buffers). `activations`: everything else alive at the peak: activations
+    saved for backward, temporaries, the batch(es), backward's and the optimizer's scratch tensors.
+    `peak_op`: the aten op during which the peak was reached ("aten.mm.default").
+
+    On CUDA the moment of the peak is not known (`peak_op` is None): parameters are the model's
+    tensors, gradients and optimizer state their largest totals seen at an optimizer step (whether
+    or not they were alive at the peak: a peak in forward overstates gradients and understates
+    activations), each rounded to 512 B as the caching allocator rounds blocks; `activations` is the
+    rest of the allocated peak. The caching allocator's reserved-but-unallocated memory
+    (`peak_reserved_bytes - peak_allocated_bytes`) is in none of them.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    parameters: int = Field(ge=0, description="The model's parameters and buffers at the peak.")
+    gradients: int = Field(ge=0, description="Parameters' gradients alive at the peak.")
+    optimizer_state: int = Field(ge=0, description="The optimizer's state alive at the peak.")
+    activations: int = Field(
+        ge=0, description="Activations and temporaries: everything else at the peak, the batch included."
+    )
+    peak_op: str | None = Field(
+        default=None, description="The aten op during which the peak was reached; None where unknown (CUDA)."
+    )
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def total(self) -> int:
+        """The sum of the parts: the trial's peak allocated bytes."""
+        return self.parameters + self.gradients + self.optimizer_state + self.activations
+
+    def parts(self) -> list[tuple[str, int]]:
+        """(label, bytes) of each part, in the order they are drawn and printed."""
+        return [
+            ("parameters", self.parameters),
+            ("gradients", self.gradients),
+            ("optimizer state", self.optimizer_state),
+            ("activations and temporaries", self.activations),
+        ]
+
+    def largest(self) -> tuple[str, int]:
+        """The part that takes the most memory (label, bytes)."""
+        return max(self.parts(), key=lambda part: part[1])
+
+    def lever(self) -> str:
+        """What would save the most memory, judged by the largest part."""
+        return LEVERS[self.largest()[0]]
+
+
+# What shrinks each part of a breakdown (keyed by MemoryBreakdown.parts' labels).
+LEVERS = {
+    "parameters": "lower-precision weights (bf16) or sharded parameters (FSDP, ZeRO-3) would save the most",
+    "gradients": "lower-precision or sharded gradients (ZeRO-2, FSDP) would save the most",
+    "optimizer state": "a sharded optimizer (ZeRO-1, FSDP) or an 8-bit optimizer would save the most",
+    "activations and temporaries": "activation checkpointing (or bf16 autocast) would save the most",
+}
+
+
 class TrialRecord(BaseModel):
     """One trial: `steps` optimizer steps of `micro_steps` micro-batches each, at one micro-batch size."""
 
@@ -73,6 +144,11 @@ class TrialRecord(BaseModel):
         description="Wall time per micro-step of the last (steady-state) optimizer step, for fitting trials.",
     )
     oom_message: str | None = Field(default=None, description="First line of the OOM error, for failed trials.")
+    breakdown: MemoryBreakdown | None = Field(
+        default=None,
+        description="What filled the memory at the peak (for an OOM, at the failing allocation); sums to "
+        "peak_allocated_bytes. None where not measured (results from before it was).",
+    )
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -257,6 +333,14 @@ class ProbeResult(BaseModel):
     @property
     def trial_at_answer(self) -> TrialRecord | None:
         return next((t for t in self.evidence() if t.batch == self.max_micro_batch and t.fits), None)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def breakdown(self) -> MemoryBreakdown | None:
+        """What filled the memory at the peak of the trial at the answer (its `trials[].breakdown`):
+        parameters, gradients, optimizer state, activations and temporaries, and the op of the peak."""
+        at = self.trial_at_answer
+        return None if at is None else at.breakdown
 
     def loop_trials(self, micro_steps: int | None = None) -> list[TrialRecord]:
         """The trials of one loop shape (the answer's by default)."""

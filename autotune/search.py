@@ -13,11 +13,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from autotune.errors import ConfigError, NothingFitsError
+from autotune.errors import ConfigError, FlatMemoryError, NothingFitsError
 from autotune.results import TrialRecord
 from autotune.units import format_bytes
 
 TrialFn = Callable[[int], TrialRecord]
+
+# A size this many times the first that peaks no higher than the first: memory does not grow with
+# the batch (make_batch ignores it), and doubling would go on until the numbers overflow.
+FLAT_FACTOR = 1024
+# The plain search never doubles past this many units (about 10**12 samples): memory that grows so
+# little that this fits is as good as flat, and no job runs such a batch.
+MAX_UNITS = 1 << 40
+
+MAKE_BATCH_HINT = "does make_batch(batch_size, device) return batch_size rows?"
 
 
 @dataclass
@@ -86,18 +95,41 @@ def _finish(memo: _Memo, lo: int, capped: bool, limit_bytes: int | None) -> Sear
     return SearchOutcome(lo * memo.granularity, capped, memo.trials)
 
 
+def _flat(memo: _Memo, first: int, last: int) -> FlatMemoryError:
+    low, high = memo.record(first), memo.record(last)
+    g = memo.granularity
+    low_peak, high_peak = format_bytes(low.peak_allocated_bytes or 0), format_bytes(high.peak_allocated_bytes or 0)
+    if (high.peak_allocated_bytes or 0) <= (low.peak_allocated_bytes or 0):
+        what = "memory does not grow with the batch"
+    else:
+        what = f"memory grows too little with the batch to run out below {last * g:,} samples"
+    return FlatMemoryError(
+        f"{what}: batch {first * g} peaked at {low_peak} and batch {last * g} at {high_peak}, so there is no "
+        f"largest batch that fits: {MAKE_BATCH_HINT}"
+    )
+
+
 def _grow(memo: _Memo, lo: int, k: int, cap_units: int | None, factor: int) -> tuple[int, int | None]:
     """From k (untried or fitting), multiply by `factor` until a size fails or the cap fits.
 
-    Returns (largest fitting, first failing or None when the cap fitted)."""
+    Returns (largest fitting, first failing or None when the cap fitted). Raises FlatMemoryError
+    when a size `FLAT_FACTOR` times the first peaks no higher than the first, or when no cap
+    stops it before `MAX_UNITS`."""
+    first = k
     while True:
         if cap_units is not None:
             k = min(k, cap_units)
+        elif k > MAX_UNITS:
+            raise _flat(memo, first, lo)
         if not memo(k):
             return lo, k
         lo = k
         if cap_units is not None and k >= cap_units:
             return lo, None
+        if k >= first * FLAT_FACTOR:
+            low, high = memo.record(first).peak_allocated_bytes, memo.record(k).peak_allocated_bytes
+            if low and high and high <= low:
+                raise _flat(memo, first, k)
         k *= factor
 
 
@@ -164,6 +196,8 @@ def search_from_guess(
             nxt = lo + step
             if cap_units is not None:
                 nxt = min(nxt, cap_units)
+            elif nxt > MAX_UNITS:  # everything fitted: no prediction should lead here, but never loop on
+                raise _flat(memo, k, lo)
             if not memo(nxt):
                 return _finish(memo, _bisect(memo, lo, nxt), False, limit_bytes)
             lo = nxt

@@ -16,6 +16,7 @@
 | AUTOTUNE_MIN_FREE_MEMORY     | 1GiB             | a CUDA probe refuses to start with less free memory  |
 | AUTOTUNE_MAX_BODY            | 1MiB             | the service refuses request bodies larger than this  |
 | AUTOTUNE_MAX_CPU_MEMORY      | 8GiB             | the largest budget device a service request may ask  |
+| AUTOTUNE_DEBUG               | false            | the CLI prints a failure's full traceback (--debug)  |
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class Settings(BaseSettings):
     # for a huge one would exhaust the server's RAM: the service caps it.
     max_body: int = Field(default=2**20, ge=1024, description="bytes")
     max_cpu_memory: int = Field(default=8 * 2**30, ge=2**20, description="bytes")
+    # The command line prints the full traceback of a failure (a workload's own, from the probe's
+    # process too) before its one-line message, as --debug does.
+    debug: bool = False
 
     @field_validator("cpu_memory", "max_body", "max_cpu_memory", mode="before")
     @classmethod

@@ -27,16 +27,18 @@ from __future__ import annotations
 import gc
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager
-from typing import Protocol
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from autotune import oom
+from autotune import oom, usercode
 from autotune.errors import NotAnOOMError, NothingFitsError
-from autotune.results import LoopShape, TrialRecord
+from autotune.progress import ProgressCallback, TrialProgress
+from autotune.results import LoopShape, MemoryBreakdown, MemoryRole, TrialRecord
 from autotune.units import format_bytes
 from autotune.workload import Precision, Workload
 
@@ -51,6 +53,8 @@ class ProbeDevice(Protocol):
     torch_device: torch.device
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None: ...
+    def mark(self, tensors: Iterable[torch.Tensor], role: MemoryRole) -> None: ...
+    def peak_breakdown(self) -> MemoryBreakdown | None: ...
     def live_bytes(self) -> int: ...
     def peak_allocated_bytes(self) -> int: ...
     def peak_reserved_bytes(self) -> int: ...
@@ -81,17 +85,21 @@ class TrialRunner:
         micro_steps: int = 1,
         prefetch: int = 0,
         train: Callable[[TrialRunner], TrainLoop] | None = None,
+        on_progress: ProgressCallback | None = None,
     ) -> None:
         """`steps` optimizer steps of `micro_steps` accumulated micro-batches each, with `prefetch`
         further batches held on the device (the default loop; `run` takes others).
 
         `model`: an already built model to use as is (the estimator's fake-tensor model, which
         `.to()` cannot move); by default the workload builds one on the device.
-        `train`: makes the job's own loop over this runner's model, run instead of the workload's step."""
+        `train`: makes the job's own loop over this runner's model, run instead of the workload's step.
+        `on_progress`: told as each micro-step begins (`micro_step`), for a person to watch."""
         self.loop = LoopShape(micro_steps=micro_steps, steps=steps, prefetch=prefetch)
         self.workload = workload
         self.device = device
         self._on_step = on_step
+        self._on_progress = on_progress
+        self._trial_started = time.perf_counter()
         if model is not None:
             self.model = model
         else:
@@ -99,6 +107,8 @@ class TrialRunner:
         self.model.train()
         self._state = [t for t in (*self.model.parameters(), *self.model.buffers())]
         device.track(self._state)
+        device.mark(self._state, "parameters")
+        self._parameter_ids = {id(p) for p in self.model.parameters()}
         # The host copy is outside the device's memory on purpose: it must not shrink the budget.
         self._snapshot = [t.detach().to("cpu", copy=True) for t in self._state]
         self.baseline_bytes = device.live_bytes()
@@ -120,12 +130,13 @@ class TrialRunner:
     def run(self, batch: int, loop: LoopShape) -> TrialRecord:
         """One trial of `loop` at micro-batch `batch`, undone afterwards."""
         self.device.reset_peak()
-        started = time.perf_counter()
+        started = self._trial_started = time.perf_counter()
         step_seconds: float | None = None
         failure: str | None = None
         not_oom: str | None = None
+        details: str | None = None
         try:
-            with self.device.active():
+            with self.device.active(), self._marking_roles():
                 step_seconds = self._train_loop(batch, loop)
         except Exception as exc:  # noqa: BLE001 - classified right here; non-OOMs stop the probe
             reason = oom.classify(exc)
@@ -138,18 +149,19 @@ class TrialRunner:
                     "workspaces they could not allocate; check the input, or probe with more headroom)"
                 )
             else:
-                not_oom = f"an error that is not out-of-memory: {type(exc).__name__}: {exc}"
+                not_oom = f"an error that is not out-of-memory: {usercode.describe(exc)}"
+            if not_oom is not None:
+                details = usercode.formatted(exc)  # for --debug; before release() clears the frames
             oom.release(exc)
         seconds = time.perf_counter() - started
         peak_allocated = self.device.peak_allocated_bytes()
         peak_reserved = self.device.peak_reserved_bytes()
+        breakdown = self.device.peak_breakdown()
         self.recover()
         if not_oom is not None:
-            raise NotAnOOMError(
-                f"batch {batch} failed with {not_oom}",
-                batch=batch,
-                original=not_oom,
-            )
+            error = NotAnOOMError(f"batch {batch} failed with {not_oom}", batch=batch, original=not_oom)
+            error.traceback = details
+            raise error
         return TrialRecord(
             batch=batch,
             fits=failure is None,
@@ -160,7 +172,43 @@ class TrialRunner:
             oom_message=failure,
             micro_steps=loop.micro_steps,
             prefetch=loop.prefetch,
+            breakdown=breakdown,
         )
+
+    @contextmanager
+    def _marking_roles(self) -> Iterator[None]:
+        """Tell the device, at every optimizer step of the trial (whichever loop runs it: ours, a
+        framework's), which tensors are this model's gradients (as the step begins) and the
+        optimizer's state (after it): what `peak_breakdown` splits the peak by. Optimizers over
+        other parameters are ignored. Costs one pass over the parameters per optimizer step."""
+        ours = self._parameter_ids
+        device = self.device
+
+        def params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+            return [p for group in optimizer.param_groups for p in group["params"] if id(p) in ours]
+
+        def before(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+            device.mark([p.grad for p in params(optimizer) if p.grad is not None], "gradients")
+
+        def after(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+            state = optimizer.state
+            tensors = [
+                value
+                for p in params(optimizer)
+                for value in state.get(p, {}).values()
+                if isinstance(value, torch.Tensor) and value.device == p.device
+            ]
+            device.mark(tensors, "optimizer_state")
+
+        handles = [
+            register_optimizer_step_pre_hook(before),
+            register_optimizer_step_post_hook(after),
+        ]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def _train(self, batch: int, loop: LoopShape) -> float:
         """Run `loop`; return the seconds per micro-step of the last (steady-state) optimizer step."""
@@ -174,7 +222,8 @@ class TrialRunner:
         held: deque[object] = deque(workload.make_batch(batch, device.torch_device) for _ in range(loop.prefetch))
         for step in range(loop.steps):
             started = time.perf_counter()
-            for _micro in range(loop.micro_steps):
+            for micro in range(loop.micro_steps):
+                self.micro_step(batch, loop, step, micro)
                 if not loop.prefetch:
                     held.clear()
                 held.append(workload.make_batch(batch, device.torch_device))
@@ -198,6 +247,21 @@ class TrialRunner:
         """Tell the caller's `on_step` that an optimizer step of a trial at `batch` ran (loops call it)."""
         if self._on_step is not None:
             self._on_step(batch, step)
+
+    def micro_step(self, batch: int, loop: LoopShape, step: int, micro: int) -> None:
+        """Tell the caller's `on_progress` that micro-step `micro` of optimizer step `step` (both
+        counted from 0) of a trial at `batch` begins (loops call it)."""
+        if self._on_progress is not None:
+            self._on_progress(
+                TrialProgress(
+                    batch=batch,
+                    step=step + 1,
+                    steps=loop.steps,
+                    micro_step=micro + 1,
+                    micro_steps=loop.micro_steps,
+                    seconds=time.perf_counter() - self._trial_started,
+                )
+            )
 
     # Undoing a trial -----------------------------------------------------------------------
     def recover(self) -> None:

@@ -36,9 +36,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from autotune.errors import WorkloadError
+from autotune.errors import AutotuneError, WorkloadError
+from autotune.request import OptionValue
+from autotune.request import parse_options as parse_options  # torch-free there; re-exported
+from autotune.usercode import attach, describe, where
 
-OptionValue = str | int | float | bool
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 # A name from OPTIMIZERS, an Optimizer class (built with `optimizer_kwargs`), or a factory of the
 # parameters (what `from_model` makes of an optimizer instance).
@@ -166,10 +168,26 @@ def _import_attribute(target: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise WorkloadError(f"cannot import module {module_name!r} for target {target!r}: {exc}") from None
+        at = where(exc)
+        raise attach(
+            WorkloadError(
+                f"cannot import module {module_name!r} for target {target!r}: {exc}" + (f" (at {at})" if at else "")
+            ),
+            exc,
+        ) from None
+    except SystemExit as exc:  # sys.exit() at import: a script's main part run without a __main__ guard
+        raise attach(
+            WorkloadError(
+                f"importing {module_name!r} for target {target!r} exited with code {exc.code!r}"
+                + (f" (at {where(exc)})" if where(exc) else "")
+                + ": a workload's module must not exit on import; put its script part under "
+                "`if __name__ == '__main__':`"
+            ),
+            exc,
+        ) from None
     except Exception as exc:  # noqa: BLE001 - user code may raise anything at import time
-        raise WorkloadError(
-            f"importing {module_name!r} for target {target!r} failed: {type(exc).__name__}: {exc}"
+        raise attach(
+            WorkloadError(f"importing {module_name!r} for target {target!r} failed: {describe(exc)}"), exc
         ) from None
     obj: Any = module
     for part in attribute.split("."):
@@ -204,33 +222,31 @@ def resolve(target: str, options: Mapping[str, OptionValue] | None = None) -> Wo
     raise WorkloadError(f"{target} is a {type(obj).__name__}, not a Workload or a function returning one")
 
 
+def _arguments(options: Mapping[str, OptionValue]) -> str:
+    return ", ".join(f"{key}={value!r}" for key, value in options.items())
+
+
 def _call_factory(factory: Callable[..., Any], options: dict[str, OptionValue], target: str) -> Workload:
     try:
         workload = factory(**options)
+    except AutotuneError:  # a WorkloadError of its own (an unknown optimizer name): already says what
+        raise
     except TypeError as exc:
-        raise WorkloadError(f"bad options {options} for {target}: {exc}") from None
+        if where(exc) is None or exc.__traceback__ is None or exc.__traceback__.tb_next is None:
+            # Raised by the call itself: the options do not match the factory's parameters.
+            raise WorkloadError(f"bad options {options} for {target}: {exc}") from None
+        raise attach(WorkloadError(f"{target}({_arguments(options)}) failed: {describe(exc)}"), exc) from None
+    except SystemExit as exc:
+        raise attach(
+            WorkloadError(
+                f"{target}({_arguments(options)}) exited with code {exc.code!r}"
+                + (f" (at {where(exc)})" if where(exc) else "")
+                + ": a workload factory must return a Workload, not exit"
+            ),
+            exc,
+        ) from None
+    except Exception as exc:  # noqa: BLE001 - the user's factory may raise anything
+        raise attach(WorkloadError(f"{target}({_arguments(options)}) failed: {describe(exc)}"), exc) from None
     if not isinstance(workload, Workload):
         raise WorkloadError(f"{target} returned {type(workload).__name__}, not a Workload")
     return workload
-
-
-def parse_options(pairs: Iterable[str]) -> dict[str, OptionValue]:
-    """Parse `key=value` pairs; values become int, float or bool where they look like one."""
-    options: dict[str, OptionValue] = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key.strip():
-            raise WorkloadError(f"option {pair!r} is not key=value (for example seq_len=512)")
-        options[key.strip()] = _coerce(raw.strip())
-    return options
-
-
-def _coerce(raw: str) -> OptionValue:
-    if raw.lower() in ("true", "false"):
-        return raw.lower() == "true"
-    for kind in (int, float):
-        try:
-            return kind(raw)
-        except ValueError:
-            continue
-    return raw

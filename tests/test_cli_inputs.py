@@ -61,7 +61,7 @@ ROWS: list[tuple[tuple[str, ...], dict[str, str], int, tuple[str, ...]]] = [
     ((*PROBE, "--plot", "/nonexistent/dir/p.png"), {}, 2, ("--plot", "/nonexistent/dir does not exist")),
     ((*PROBE, "--plot", DIRECTORY), {}, 2, ("--plot", "is a directory")),
     ((*PROBE, "--plot", ""), {}, 2, ("--plot is empty",)),
-    ((*PROBE, "--plot", "x.jpg"), {}, 2, ("--plot 'x.jpg'", "name the file x.png")),
+    ((*PROBE, "--plot", "x.gif"), {}, 2, ("--plot 'x.gif'", "name the file x.png")),
     ((*PROBE, "--plot", "/proc/p.png"), {}, 2, ("--plot '/proc/p.png' cannot be written",)),
     # timeouts: nan crashed, 0 meant 900 s, -1 was accepted
     ((*PROBE, "--timeout", "nan"), {}, 2, ("--timeout nan is not a number of seconds above 0",)),
@@ -83,6 +83,10 @@ ROWS: list[tuple[tuple[str, ...], dict[str, str], int, tuple[str, ...]]] = [
     (("probe", "gpt", "--headroom", ""), {}, 2, ("--headroom is empty",)),
     (("probe", "gpt", "--headroom", "150%"), {}, 2, ("--headroom", "headroom fraction must be in [0, 1)")),
     (("probe", "gpt", "--headroom", "5"), {}, 2, ("--headroom", "did you mean 5%?")),
+    (("probe", "gpt", "--headroom", "1"), {}, 2, ("--headroom", "did you mean 1%?")),
+    (("probe", "gpt", "--headroom", "1.0"), {}, 2, ("--headroom", "did you mean 1%?")),
+    (("probe", "gpt", "--headroom", "1.5"), {}, 2, ("--headroom", "did you mean 1.5%?")),
+    (("estimate", "gpt", "--memory", "1GiB", "--headroom", "5"), {}, 2, ("--headroom", "did you mean 5%?")),
     (("probe", "gpt", "--min-free-memory", "lots"), {}, 2, ("--min-free-memory", "cannot parse size 'lots'")),
     # plans too long to build: an OverflowError traceback before
     (("plan", "--effective-batch", "1" + "0" * 20, "--max-micro-batch", "1"), {}, 2, ("--effective-batch",)),
@@ -136,15 +140,63 @@ ROWS: list[tuple[tuple[str, ...], dict[str, str], int, tuple[str, ...]]] = [
     (PROBE, {"AUTOTUNE_CPU_MEMORY": "lots"}, 2, ("AUTOTUNE_CPU_MEMORY='lots'", "cannot parse size")),
     (PROBE, {"AUTOTUNE_HEADROOM": "5"}, 2, ("AUTOTUNE_HEADROOM='5'", "did you mean 5%?")),
     (PROBE, {"AUTOTUNE_BUDGET": "half"}, 2, ("AUTOTUNE_BUDGET='half'", "'total' or 'free'")),
-    # user text that rich markup used to eat
-    (("probe", "tests.test_cli_inputs:factory", "-o", "x=1"), {}, 2, ("tests.test_cli_inputs:factory: factory()",)),
-    (("probe", "mlp", "-o", "shape=[batch, 16]"), {}, 2, ("'[batch, 16]'",)),
-    (("probe", "tests.workloads:tiny", "-o", "x=1"), {}, 2, ("takes keyword options to pass ['x']",)),
-    # targets (these import the workload's module, still before any probe)
+    # user text that rich markup used to eat (--in-process: this process imports the workload; an
+    # isolated probe leaves that to its child, test_workload_errors_cross_the_child_as_one_line)
+    (
+        ("probe", "tests.test_cli_inputs:factory", "-o", "x=1", "--in-process"),
+        {},
+        2,
+        ("tests.test_cli_inputs:factory: factory()",),
+    ),
+    (("probe", "mlp", "-o", "shape=[batch, 16]", "--in-process"), {}, 2, ("'[batch, 16]'",)),
+    (("probe", "tests.workloads:tiny", "-o", "x=1", "--in-process"), {}, 2, ("takes keyword options to pass ['x']",)),
+    # targets: an unknown built-in or a module nowhere on the path, refused before any process
+    # starts without importing anything; the rest where the workload is imported (--in-process here)
     (("probe", "resnet9000"), {}, 2, ("unknown workload 'resnet9000'",)),
     (("probe", "nwl:factory"), {}, 2, ("cannot import module 'nwl' for target 'nwl:factory'",)),
-    (("probe", "tests.broken_import:workload"), {}, 2, ("No module named 'autotune_no_such_dependency'",)),
-    (("probe", "gpt", "-o", "depth=3"), {}, 2, ("bad options",)),
+    (("probe", ":factory"), {}, 2, ("target ':factory' is neither a built-in example nor module:attribute",)),
+    (
+        ("probe", "tests.broken_import:workload", "--in-process"),
+        {},
+        2,
+        ("No module named 'autotune_no_such_dependency'", "(at tests/broken_import.py:3 in <module>)"),
+    ),
+    (("probe", "gpt", "-o", "depth=3", "--in-process"), {}, 2, ("bad options",)),
+    (("probe", "tests.workloads:nope", "--in-process"), {}, 2, ("module 'tests.workloads' has no attribute 'nope'",)),
+    # issue 12: a module that exits on import, a factory whose own code fails: named, with the line
+    (
+        ("probe", "tests.exits_on_import:workload", "--in-process"),
+        {},
+        2,
+        ("importing 'tests.exits_on_import'", "exited with code 3", "(at tests/exits_on_import.py:5", "__main__"),
+    ),
+    (
+        ("probe", "tests.guard_workloads:bad_factory", "--in-process"),
+        {},
+        2,
+        ("tests.guard_workloads:bad_factory() failed: KeyError: 'width' (at tests/guard_workloads.py:", "bad_factory)"),
+    ),
+    # issue 12: flags that had no effect are refused, naming why
+    ((*PROBE, "--budget", "free"), {}, 2, ("--budget free applies to a CUDA device", "--device cpu is the cpu budget")),
+    ((*PROBE, "--min-free-memory", "1GiB"), {}, 2, ("--min-free-memory applies to a CUDA device", "drop --min")),
+    ((*PROBE, "--min-free-memory", "0"), {}, 2, ("--min-free-memory applies to a CUDA device",)),
+    ((*PROBE, "--timeout", "60", "--in-process"), {}, 2, ("--timeout", "--in-process", "nothing kills")),
+    ((*PROBE, "--start-batch", "64"), {}, 2, ("--start-batch 64 is for --search plain",)),
+    ((*PROBE, "--start-batch", "64", "--search", "predict"), {}, 2, ("--start-batch 64", "--search plain")),
+    # issue 12: estimate (in this process: fake trials, a second each)
+    (
+        ("estimate", "tests.guard_workloads:flat", "--memory", "1GiB"),
+        {},
+        2,
+        ("memory does not grow with the batch", "make_batch(batch_size, device)"),
+    ),
+    (
+        ("estimate", "tests.guard_workloads:grouped_mm", "--memory", "1GiB", "--overhead", "0"),
+        {},
+        2,
+        ("cannot be estimated", "aten._grouped_mm", "probe it on a device", "(at tests/guard_workloads.py:"),
+    ),
+    (("estimate", "tests.exits_on_import:workload", "--memory", "1GiB"), {}, 2, ("exited with code 3",)),
 ]
 
 
@@ -276,15 +328,19 @@ def test_accepted_inputs_reach_the_probe_as_given(
 
     monkeypatch.setattr(cli, "_run_with_progress", stop)
     monkeypatch.setenv("AUTOTUNE_PROBE_TIMEOUT", "60")
-    args = [*PROBE, "--min-free-memory", "0", "--headroom", "0", "--in-process", "-o", "hidden=8"]
+    # --min-free-memory is a CUDA device's (refused on the budget device), --timeout an isolated probe's.
+    args = ["probe", "mlp", "--device", "cuda", "--memory", "64MiB", "--min-free-memory", "0", "--headroom", "0"]
     with pytest.raises(SystemExit):
-        cli.run(args)
+        cli.run([*args, "--in-process", "-o", "hidden=8"])
     with pytest.raises(SystemExit):
         cli.run([*args, "--timeout", "1.5"])
-    (first, in_process, timeout), (_, _, given) = seen
+    with pytest.raises(SystemExit):
+        cli.run([*PROBE, "--search", "plain", "--start-batch", "64"])
+    (first, in_process, timeout), (_, isolated, given), (plain, _, _) = seen
     assert (first.min_free_memory, first.memory, first.headroom) == (0, 64 * 2**20, 0.0)  # type: ignore[attr-defined]
-    assert first.options == {"hidden": 8} and in_process  # type: ignore[attr-defined]
+    assert first.options == {"hidden": 8} and in_process and not isolated  # type: ignore[attr-defined]
     assert (timeout, given) == (60.0, 1.5)
+    assert (plain.search, plain.start_batch) == ("plain", 64)  # type: ignore[attr-defined]
 
 
 def test_sizes_zero_only_where_allowed_and_no_overflow() -> None:
@@ -296,3 +352,138 @@ def test_sizes_zero_only_where_allowed_and_no_overflow() -> None:
         parse_size("0")
     with pytest.raises(ConfigError, match="too large"):
         parse_size("9" * 400 + "GiB")
+
+
+# Issue 12: guards, workload errors, estimate -------------------------------------------------------
+GUARDS = "tests.guard_workloads"
+
+
+def _reason(stderr: str) -> str:
+    """stderr without the probe's progress lines (`trial   1: ...`, `confirm: ...`): what it said."""
+    return "".join(line for line in stderr.splitlines(True) if not line.startswith(("trial ", "confirm: ")))
+
+
+@pytest.fixture
+def autotune_probing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> Callable[..., tuple[int, str, str]]:
+    """The CLI in this process, the probe really running (for probes that end in a few trials)."""
+    monkeypatch.chdir(ROOT)
+    for name in ("AUTOTUNE_PROBE_TIMEOUT", "AUTOTUNE_CPU_MEMORY", "AUTOTUNE_HEADROOM", "AUTOTUNE_DEBUG"):
+        monkeypatch.delenv(name, raising=False)
+
+    def invoke(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = cli.run(list(args))
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    return invoke
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [(), ("--search", "plain"), ("--max-batch", str(10**12)), ("--search", "plain", "--max-batch", str(10**12))],
+    ids=["predict", "plain", "predict-cap", "plain-cap"],
+)
+def test_a_flat_memory_curve_is_an_error_naming_make_batch(
+    autotune_probing: Callable[..., tuple[int, str, str]], extra: tuple[str, ...]
+) -> None:
+    """make_batch ignores the batch size: 1024 doublings and an OverflowError (plain), or the cap
+    answered silently (10**12), before. Now one line naming make_batch, in a few trials."""
+    code, stdout, stderr = autotune_probing(
+        "probe", f"{GUARDS}:flat", "--device", "cpu", "--memory", "1MiB", "--in-process", "--no-confirm", *extra
+    )
+    assert code == 2, stderr
+    stderr = _reason(stderr)
+    assert stderr.startswith("error: memory does not grow with the batch") and stderr.count("\n") == 1, stderr
+    assert "does make_batch(batch_size, device) return batch_size rows?" in stderr
+    if "plain" in extra:
+        assert "batch 1 peaked at" in stderr and "batch 1024 at" in stderr
+    else:
+        assert "the timeline trials at batch 2 and 4 both peak at" in stderr
+    assert "Traceback" not in stdout + stderr and stdout == ""
+
+
+def test_estimate_failures_say_estimate_failed(autotune_probing: Callable[..., tuple[int, str, str]]) -> None:
+    code, _, stderr = autotune_probing("estimate", f"{GUARDS}:missing_key", "--memory", "1GiB", "--overhead", "0")
+    assert code == 1
+    assert stderr.startswith("estimate failed: batch ") and stderr.count("\n") == 1, stderr
+    assert "KeyError: 'labels' (at tests/guard_workloads.py:24 in _loss)" in stderr
+
+
+def test_debug_shows_the_traceback_in_this_process(
+    autotune_probing: Callable[..., tuple[int, str, str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from autotune.settings import get_settings
+
+    args = ("probe", f"{GUARDS}:missing_key", "--device", "cpu", "--memory", "1MiB", "--in-process")
+    code, _, quiet = autotune_probing(*args)
+    quiet = _reason(quiet)
+    assert code == 1 and quiet.count("\n") == 1 and "Traceback" not in quiet
+    monkeypatch.setenv("AUTOTUNE_DEBUG", "1")
+    get_settings.cache_clear()  # read once per process, as a command runs once
+    code, _, loud = autotune_probing(*args)
+    loud = _reason(loud)
+    assert code == 1 and loud.startswith("Traceback (most recent call last):")
+    assert 'batch["labels"]' in loud and loud.endswith(quiet)  # the traceback, then the same line
+    monkeypatch.delenv("AUTOTUNE_DEBUG")
+    get_settings.cache_clear()
+    assert _reason(autotune_probing("--debug", *args)[2]) == loud  # the root option says the same
+
+
+def test_the_budget_device_without_device_flag(
+    autotune: Callable[..., tuple[int, str, str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No --device and no CUDA is the budget device too: found from torch's build (+cpu) unimported."""
+    from autotune import request
+
+    monkeypatch.setattr(request, "cpu_only_torch", lambda: True)
+    code, _, stderr = autotune("probe", "mlp", "--memory", "64MiB", "--budget", "free")
+    assert code == 2 and "--budget free applies to a CUDA device, and without CUDA here" in stderr
+    code, _, stderr = autotune("probe", "mlp", "--memory", "64MiB", "--min-free-memory", "2GiB")
+    assert code == 2 and "--min-free-memory applies to a CUDA device" in stderr
+
+
+def test_the_built_in_names_are_known_without_torch() -> None:
+    from autotune.examples import EXAMPLES
+    from autotune.request import EXAMPLE_NAMES
+
+    assert tuple(sorted(EXAMPLES)) == EXAMPLE_NAMES
+
+
+@pytest.mark.parametrize(
+    ("target", "code", "says"),
+    [
+        ("tests.exits_on_import:workload", 2, "importing 'tests.exits_on_import' for target "),
+        ("gpt -o depth=3", 2, "bad options {'depth': 3} for gpt"),
+    ],
+)
+def test_workload_errors_cross_the_child_as_one_line(
+    autotune_probing: Callable[..., tuple[int, str, str]], target: str, code: int, says: str
+) -> None:
+    """The parent no longer imports the workload: the isolated child finds what is wrong with it,
+    and the same one line comes back (a sys.exit(3) on import used to exit 3 with no message)."""
+    got, stdout, stderr = autotune_probing("probe", *target.split(), "--device", "cpu", "--memory", "1MiB")
+    assert got == code, stderr
+    stderr = _reason(stderr)
+    assert stderr.startswith("error: " + says) and stderr.count("\n") == 1, stderr
+    assert "Traceback" not in stdout + stderr
+
+
+def test_an_isolated_probe_imports_neither_torch_nor_the_workload_here_and_debug_shows_the_childs_traceback() -> None:
+    script = (
+        "import sys\n"
+        "from autotune.cli import run\n"
+        f"code = run(['probe', '{GUARDS}:missing_key', '--device', 'cpu', '--memory', '1MiB', '--debug'])\n"
+        f"print(code, 'torch' in sys.modules, '{GUARDS}' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.stdout.splitlines()[-1] == "1 False False", (done.stdout, done.stderr)
+    lines = done.stderr.splitlines()
+    # The child's traceback (the workload's frame, its source line), then the one-line reason.
+    assert "Traceback (most recent call last):" in lines and 'batch["labels"]' in done.stderr
+    assert lines[-1] == (
+        "probe failed: batch 4 failed with an error that is not out-of-memory: KeyError: 'labels' "
+        "(at tests/guard_workloads.py:24 in _loss)"
+    )

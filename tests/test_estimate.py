@@ -120,3 +120,22 @@ def test_the_readme_estimate_commands_run_as_written() -> None:
         args = shlex.split(command)[1:]
         proc = subprocess.run([AUTOTUNE, *args], capture_output=True, text=True, timeout=300, check=False)
         assert proc.returncode == 0, f"{command}: {proc.stderr}"
+
+
+def test_the_readme_estimate_table_reproduces() -> None:
+    """The README's estimate column is `autotune estimate NAME --memory 79.2GiB [--precision P]`
+    (fake tensors: the same on any machine with this torch); the probe column is an H100
+    measurement, and the last column their ratio. Each row is estimated again here (about 7 s)."""
+    from autotune.units import parse_size
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    header = "| workload | probe on the H100 | `autotune estimate --memory 79.2GiB` | estimate vs probe |"
+    table = readme[readme.index(header) :].split("\n\n")[0].splitlines()[2:]
+    assert len(table) == 5
+    for line in table:
+        workload, probed, estimated, ratio = (cell.strip() for cell in line.strip("|").split("|"))
+        name, precision = workload.split()
+        guess = estimate(name, parse_size("79.2GiB"), precision=precision)
+        assert guess.max_micro_batch == int(estimated.replace(",", "")), line
+        change = (guess.max_micro_batch / int(probed.replace(",", "")) - 1) * 100
+        assert f"{change:+.1f}%".replace("-", "−") == ratio, line

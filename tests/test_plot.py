@@ -33,7 +33,7 @@ def test_render_plot_returns_a_png_for_any_search(search: str) -> None:
     )
     png = render_plot(result)
     assert png.startswith(PNG_MAGIC)
-    assert _size(png) == (800, 500)
+    assert _size(png) == (1000, 560)
 
 
 def test_a_stored_result_renders_without_torch_state() -> None:

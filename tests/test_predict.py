@@ -3,6 +3,9 @@ search (with the reason) when the op sequence depends on the batch size."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -234,3 +237,63 @@ def test_a_caching_allocator_is_handled_by_one_refining_trial() -> None:
 def test_the_budget_device_needs_no_refining_trial() -> None:
     result = _probe("plain")
     assert result.prediction is not None and result.prediction.first_guess is None
+
+
+# Memory that does not show, or does not grow (issue 12) -----------------------------------------
+def test_tiny_per_sample_tensors_are_predicted_from_their_raw_sizes() -> None:
+    """8 floats a sample: the live bytes, rounded to 512-byte blocks, are the same at batch 2 and 4,
+    but the storages' raw sizes grow: the storage model predicts exactly (26 trials a loop before,
+    from the plain search's doubling)."""
+    result = run_probe(ProbeRequest(target="tests.workloads:tiny", device="cpu", memory=MIB, headroom=0))
+    prediction = result.prediction
+    assert prediction is not None and prediction.fallback_reason is None and prediction.exact is True
+    assert [t.batch for t in result.loop_trials()] == [4, 2, result.max_micro_batch, result.max_micro_batch + 1]
+    _assert_verified(result)
+
+
+def test_a_flat_curve_is_an_error_after_the_two_timeline_trials() -> None:
+    from autotune.errors import FlatMemoryError
+
+    for cap in (None, 10**12):
+        request = ProbeRequest(target="tests.guard_workloads:flat", device="cpu", memory=MIB, max_batch=cap)
+        with pytest.raises(FlatMemoryError, match=r"timeline trials at batch 2 and 4 both peak at .* make_batch"):
+            run_probe(request)
+
+
+class _TimelineWithoutStorages:
+    """A device that records live bytes per op only (as CUDA's timeline does): no raw sizes."""
+
+    kind = "cuda"
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, object, int]] | None = None
+
+    def live_bytes(self) -> int:
+        return 0
+
+    @contextmanager
+    def record_timeline(self) -> Iterator[list[tuple[str, object, int]]]:
+        self.events = []
+        yield self.events
+        self.events = None
+
+
+def test_a_flat_timeline_without_raw_sizes_falls_back_and_the_plain_search_stops() -> None:
+    """Without raw sizes a flat timeline may be rounding: the plain search runs (even under a cap
+    of 10**12, which it used to answer at once) and stops at 1024 times its first size."""
+    from autotune.errors import FlatMemoryError
+    from autotune.predict import predicted_search
+    from autotune.results import TrialRecord
+
+    device = _TimelineWithoutStorages()
+    asked: list[int] = []
+
+    def trial(batch: int) -> TrialRecord:
+        asked.append(batch)
+        if device.events is not None:
+            device.events += [("op", "mm", 1000), ("op", "add", 2000)]
+        return TrialRecord(batch=batch, fits=True, peak_allocated_bytes=2000, peak_reserved_bytes=2000, seconds=0.0)
+
+    with pytest.raises(FlatMemoryError, match=r"batch 1 peaked at 2\.0 KiB and batch 1024 at 2\.0 KiB"):
+        predicted_search(trial, device, cap=10**12, limit_bytes=10**6)  # type: ignore[arg-type]
+    assert asked == [4, 2, 1, 8, 16, 32, 64, 128, 256, 512, 1024]

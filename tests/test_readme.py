@@ -61,6 +61,9 @@ def test_probing_commands_run(command: str) -> None:
         [str(BIN / "autotune"), *args[1:]], cwd=ROOT, capture_output=True, text=True, timeout=600, check=False
     )
     assert proc.returncode == 0, proc.stderr
+    if args[1] == "plan":  # "The plan" quotes what this command prints
+        printed = re.search(r"`autotune plan` prints `([^`]+)`", " ".join(README.split()))
+        assert printed and printed.group(1) in proc.stdout, proc.stdout
 
 
 def test_own_torch_install_keeps_the_torch_it_finds(tmp_path: Path) -> None:

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autotune.errors import ConfigError, NothingFitsError
+from autotune.errors import ConfigError, FlatMemoryError, NothingFitsError
 from autotune.results import TrialRecord
-from autotune.search import search, search_from_guess
+from autotune.search import MAX_UNITS, search, search_from_guess
 
 
 class Threshold:
@@ -133,3 +134,39 @@ def test_a_guess_off_by_a_few_percent_is_bracketed_in_proportion() -> None:
     under = Threshold(5800)
     assert search_from_guess(under, 5995).max_micro_batch == 5800
     assert len(under.asked) <= 14  # 16 the old way
+
+
+# A memory curve that does not grow (issue 12): the doubling ends, naming make_batch --------------
+def _constant(peak: Callable[[int], int], asked: list[int]) -> Callable[[int], TrialRecord]:
+    def trial(batch: int) -> TrialRecord:
+        asked.append(batch)
+        return TrialRecord(batch=batch, fits=True, peak_allocated_bytes=peak(batch), seconds=0.0)
+
+    return trial
+
+
+def test_a_flat_curve_stops_the_doubling_at_1024_times_the_first() -> None:
+    for cap in (None, 10**12):
+        asked: list[int] = []
+        flat = _constant(lambda b: 5000, asked)
+        with pytest.raises(FlatMemoryError, match=r"batch 1 peaked at .* and batch 1024 at .*make_batch"):
+            search(flat, cap=cap)
+        assert asked == [2**k for k in range(11)]
+
+
+def test_memory_that_barely_grows_stops_below_2_to_the_40() -> None:
+    asked: list[int] = []
+    barely = _constant(lambda b: 10**6 + b, asked)
+    with pytest.raises(FlatMemoryError, match="grows too little with the batch to run out below"):
+        search(barely)
+    assert max(asked) == MAX_UNITS and len(asked) == 41
+    # A cap above the bound is the user's: it is tried, and answered as capped.
+    outcome = search(_constant(lambda b: 10**6 + b, []), cap=2**45)
+    assert outcome.capped and outcome.max_micro_batch == 2**45
+
+
+def test_a_guess_never_walks_up_forever() -> None:
+    asked: list[int] = []
+    with pytest.raises(FlatMemoryError, match="batch 5000 peaked at"):
+        search_from_guess(_constant(lambda b: 100, asked), 5000)
+    assert max(asked) <= MAX_UNITS and len(asked) < 50

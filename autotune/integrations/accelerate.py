@@ -56,6 +56,7 @@ def accelerate_loop(accelerator: Accelerator, workload: Workload, prefetch: int)
             for step in range(loop.steps):
                 started = time.perf_counter()
                 for micro in range(loop.micro_steps):
+                    runner.micro_step(batch, loop, step, micro)
                     # The loader makes the next batch while the loop's variable still holds the last.
                     held.append(workload.make_batch(batch, device))
                     current = held.pop(0)

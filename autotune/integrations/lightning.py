@@ -75,6 +75,7 @@ def lightning_loop(
             for step in range(loop.steps):
                 started = time.perf_counter()
                 for micro in range(loop.micro_steps):
+                    runner.micro_step(batch, loop, step, micro)
                     data = None  # a sized loader prefetches nothing: the last batch is gone first
                     data = make_batch(batch, device)
                     with precision.train_step_context():

@@ -1,0 +1,33 @@
+"""Workloads for tests/test_progress.py (used as tests.progress_workloads:NAME)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+from torch import nn
+
+from autotune.workload import Workload
+
+
+def _in_confirmation() -> bool:
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    return getattr(spec, "name", None) == "autotune.confirm"
+
+
+def hangs_when_confirmed() -> Workload:
+    """Fits in the probe; hangs in its fresh-process confirmation (`python -m autotune.confirm`)."""
+
+    def batch(b: int, device: torch.device) -> torch.Tensor:
+        if _in_confirmation():
+            time.sleep(3600)
+        return torch.randn(b, 8, device=device)
+
+    return Workload(
+        name="hangs-when-confirmed",
+        build_model=lambda: nn.Linear(8, 8),
+        make_batch=batch,
+        loss=lambda model, x: model(x).square().mean(),
+        optimizer="sgd",
+    )

@@ -1,0 +1,173 @@
+"""Progress a person can watch (the step inside each trial), and interrupts: Ctrl-C or SIGTERM
+ends the probe's processes before the command exits, 130 or 143, with one line and no traceback."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from autotune import cli
+from autotune.budget import BudgetDevice
+from autotune.progress import TrialProgress, throttled
+from autotune.results import LoopShape, TrialRecord
+from autotune.trial import TrialRunner
+from tests.serving import ROOT, alive, children_of
+from tests.workloads import tiny
+
+AUTOTUNE = str(Path(sys.executable).parent / "autotune")
+TINY = ("--device", "cpu", "--memory", "64MiB", "--max-batch", "2", "--search", "plain")
+
+
+def test_the_runner_reports_each_micro_step_as_it_begins() -> None:
+    seen: list[TrialProgress] = []
+    runner = TrialRunner(tiny, BudgetDevice(2**26), on_progress=seen.append)
+    assert runner.run(4, LoopShape(micro_steps=2, steps=2)).fits
+    assert [(p.batch, p.step, p.steps, p.micro_step, p.micro_steps) for p in seen] == [
+        (4, 1, 2, 1, 2),
+        (4, 1, 2, 2, 2),
+        (4, 2, 2, 1, 2),
+        (4, 2, 2, 2, 2),
+    ]
+    assert seen[0].first and not seen[1].first and seen[0].phase == "search"
+    assert [p.seconds for p in seen] == sorted(p.seconds for p in seen)
+
+
+def test_throttled_passes_each_trial_s_first_report_then_one_per_interval() -> None:
+    now = [0.0]
+    passed: list[TrialProgress] = []
+    relay = throttled(passed.append, interval=0.1, clock=lambda: now[0])
+
+    def report(step: int, micro: int) -> TrialProgress:
+        return TrialProgress(batch=8, step=step, steps=2, micro_step=micro, micro_steps=3, seconds=now[0])
+
+    for step, micro, at in [(1, 1, 0.0), (1, 2, 0.05), (1, 3, 0.12), (2, 1, 0.13), (1, 1, 0.14), (2, 1, 0.3)]:
+        now[0] = at
+        relay(report(step, micro))
+    assert [(p.step, p.micro_step) for p in passed] == [(1, 1), (1, 3), (1, 1), (2, 1)]
+
+
+def _render(view: cli.ProgressView) -> str:
+    console = Console(file=io.StringIO(), force_terminal=True, color_system=None, width=120)
+    console.print(view)
+    text = console.file.getvalue()  # type: ignore[attr-defined]
+    return str(text)
+
+
+def test_the_terminal_view_shows_the_table_and_the_running_step_with_a_spinner() -> None:
+    now = [100.0]
+    view = cli.ProgressView("probing gpt", clock=lambda: now[0])
+    assert "starting the probe process · 0.0 s" in _render(view)
+    view.trial(TrialRecord(batch=32, fits=True, seconds=1.25, peak_reserved_bytes=3 * 2**20))
+    view.progress(TrialProgress(batch=64, step=2, steps=2, micro_step=1, micro_steps=3, seconds=3.0))
+    now[0] += 0.4  # the seconds tick between reports
+    shown = _render(view)
+    assert "probing gpt" in shown and "3.0 MiB" in shown and "1.25" in shown  # the table of trials so far
+    status = shown.splitlines()[-1]
+    assert re.fullmatch(r"\S trial 2 · batch 64 · step 2/2 · micro-step 1/3 · 3\.4 s", status), status
+    view.progress(TrialProgress(batch=48, step=0, steps=2, micro_step=0, micro_steps=3, seconds=0, phase="confirm"))
+    now[0] += 1.5
+    assert "confirming batch 48 · starting a fresh process · 1.5 s" in _render(view)
+    view.done = True  # the last frame: the table alone
+    assert "batch 48" not in _render(view) and "probing gpt" in _render(view)
+
+
+def test_piped_output_has_a_step_line_before_each_trial_s_verdict() -> None:
+    proc = subprocess.run(
+        [AUTOTUNE, "probe", "tests.workloads:tiny", *TINY, "--no-confirm"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    verdicts = [i for i, line in enumerate(lines) if re.match(r"trial +\d+: batch +\d+ x\d (fits|OOM)", line)]
+    assert len(verdicts) == 4, proc.stderr
+    for n, i in enumerate(verdicts, 1):
+        batch = lines[i].split()[3]
+        assert re.fullmatch(rf"trial +{n}: batch +{batch} step 1/2 micro-step 1/[12] +\d+\.\d\d s", lines[i - 1]), lines
+
+
+class _Stderr:
+    """A running command's stderr, line by line, with a deadline (no buffered reader to block on)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stderr is not None
+        self.fd = proc.stderr.fileno()
+        self.text = ""
+
+    def wait_for(self, pattern: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not re.search(pattern, self.text):
+            left = deadline - time.monotonic()
+            assert left > 0 and select.select([self.fd], [], [], left)[0], f"no {pattern!r} in {self.text!r}"
+            chunk = os.read(self.fd, 1 << 16)
+            assert chunk, f"stderr closed without {pattern!r}: {self.text!r}"
+            self.text += chunk.decode()
+
+
+@pytest.mark.parametrize(
+    ("sig", "code", "target", "running", "message"),
+    [
+        # Ctrl-C in the middle of a trial of the search: batch 2 hangs in the isolated child.
+        (
+            signal.SIGINT,
+            130,
+            "tests.workloads:hangs",
+            r"trial +2: batch +2 step 1/2",
+            "(batch 2 was running, step 1/2)",
+        ),
+        # SIGTERM during the fresh-process confirmation, which hangs.
+        (
+            signal.SIGTERM,
+            143,
+            "tests.progress_workloads:hangs_when_confirmed",
+            r"confirm: batch 2 step 1/2 micro-step 1/3",
+            "(confirming batch 2 in a fresh process)",
+        ),
+    ],
+    ids=["sigint-in-a-trial", "sigterm-in-confirmation"],
+)
+def test_an_interrupt_ends_the_probe_s_processes_then_says_so(
+    sig: signal.Signals, code: int, target: str, running: str, message: str
+) -> None:
+    proc = subprocess.Popen(
+        [AUTOTUNE, "probe", target, *TINY, "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+        # A shell's background job has SIGINT ignored, and then Python raises no KeyboardInterrupt.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        stderr = _Stderr(proc)
+        stderr.wait_for(running + ".*\n")
+        (child,) = children_of(proc.pid)
+        assert alive(child)
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+        assert not alive(child), "the probe's process outlived the command"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        out, rest = proc.communicate(timeout=30)
+    text = stderr.text + rest.decode()
+    assert proc.returncode == code, text
+    assert "Traceback" not in text
+    (last,) = [line for line in text.splitlines() if "interrupted" in line]
+    assert re.fullmatch(rf"interrupted after \d+ trials? {re.escape(message)} by .*SIG.*; .*", last), last
+    assert last == text.splitlines()[-1]
+    error = json.loads(out)["error"]
+    assert error["type"] == "Interrupted" and error["exit_code"] == code and error["signal"] == sig.name
