@@ -51,6 +51,10 @@ class ResultCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def items(self) -> list[tuple[str, Cached]]:
+        """Every request key and its result (a copy: the refresher may add entries meanwhile)."""
+        return list(self._entries.items())
+
 
 class PlanCache:
     """A bounded LRU of serialized plan answers, used from the event loop thread only."""

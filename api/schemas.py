@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
 from autotune.errors import ConfigError
+from autotune.mixed import MixedPlan, Mode
 from autotune.plan import Plan, Policy
 from autotune.registry import NAME_PATTERN
 from autotune.results import ProbeResult, TrialRecord
@@ -33,6 +34,10 @@ MAX_STEPS = 20  # training steps per trial: 2 reach the steady state, a few more
 MAX_WAIT = 60.0  # seconds a plan query may block; clients loop for longer waits
 MAX_SIZE = 2**53  # bytes (8 PiB): a byte count as JSON numbers carry it exactly
 DEVICE_PATTERN = r"^(cpu|cuda|cuda:[0-9]{1,3})$"
+# A GPU model as NVML and torch name it ("NVIDIA A100-SXM4-40GB", "NVIDIA H100 80GB HBM3"), or part of it.
+MODEL_NAME = r"[A-Za-z0-9]([A-Za-z0-9 ._()+/-]{0,98}[A-Za-z0-9)])?"
+GROUP_DEVICE_PATTERN = rf"^(cuda:[0-9]{{1,3}}|{MODEL_NAME})$"
+MAX_GROUPS = 16
 JOB_ID_PATTERN = r"^[0-9a-f]{32}$"
 FINGERPRINT_PATTERN = r"^[0-9a-f]{64}$"
 
@@ -187,6 +192,48 @@ class PlanQuery(_MemoryFields):
     )
 
 
+class MixedGroupQuery(_MemoryFields):
+    """One group of a mixed world: the ranks of one GPU model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: str = Field(
+        pattern=GROUP_DEVICE_PATTERN,
+        description="cpu, cuda or cuda:N of this node (as in GET /v1/plan), or a GPU model as NVML names it "
+        "('NVIDIA A100-SXM4-40GB', or a part naming one model: 'A100-SXM4-40GB') whose result is stored, "
+        "probed on any node (POST /v1/results).",
+    )
+    ranks: int = Field(ge=1, le=65536, description="Data-parallel ranks on this GPU model.")
+    memory: Annotated[int | None, WithJsonSchema(_nullable(SIZE_SCHEMA))] = Field(
+        default=None, description=f"As in the plan query: {_SIZE_HELP}."
+    )
+    headroom: Annotated[float | int | None, WithJsonSchema(_nullable(HEADROOM_SCHEMA))] = Field(
+        default=None, description=f"As in the plan query: {_HEADROOM_HELP}."
+    )
+
+
+class MixedPlanQuery(BaseModel):
+    """`POST /v1/plan/mixed`: one plan for a job whose ranks span GPU models, from each model's stored result."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    workload: str = Field(pattern=NAME_PATTERN, description="A registered workload.")
+    effective_batch: int = Field(ge=1, le=MAX_BATCH, description="Samples per optimizer step, over all ranks.")
+    groups: list[MixedGroupQuery] = Field(
+        min_length=1,
+        max_length=MAX_GROUPS,
+        description="The ranks of each GPU model; ranks are numbered in this order.",
+    )
+    mode: Mode = Field(
+        default=Mode.PER_MODEL,
+        description="per-model: each model's micro-batches up to its own answer, with loss weights from the global "
+        "sample count; uniform: every rank the same micro-batches, at most the smallest answer.",
+    )
+    policy: Policy = Field(default=Policy.FEWEST_STEPS, description="fewest-steps, or exact (mode uniform only).")
+    precision: Literal["fp32", "bf16", "fp16"] | None = None
+    optimizer: Literal["sgd", "adam", "adamw"] | None = None
+
+
 class RunFailureReport(_MemoryFields):
     """`POST /v1/run-failures`: a run of a planned job ran out of memory at `micro_batch`."""
 
@@ -273,6 +320,46 @@ class PlanView(BaseModel):
     max_micro_batch: int
     capped: bool = Field(description="The probe's cap fitted: a larger micro-batch may fit too.")
     plan: Plan
+
+
+class MixedGroupView(BaseModel):
+    """The stored result a group of a mixed plan was planned from."""
+
+    name: str = Field(description="The group's name in the plan: its device as asked (numbered when repeated).")
+    device: str = Field(description="The device as asked.")
+    model: str = Field(description="The device model the result was probed on.")
+    ranks: int
+    request_key: str
+    fingerprint: str = Field(description="The stored result's fingerprint.")
+    max_micro_batch: int
+    max_micro_batch_without_accumulation: int | None
+    capped: bool = Field(description="The probe's cap fitted: a larger micro-batch may fit too.")
+
+
+class MixedPlanView(BaseModel):
+    """`POST /v1/plan/mixed`: what each rank runs, and the results it was made from."""
+
+    workload: str
+    groups: list[MixedGroupView]
+    plan: MixedPlan
+
+
+class MissingGroup(BaseModel):
+    """A group of a mixed plan with no stored result."""
+
+    index: int = Field(description="Its position in `groups`, from 0.")
+    device: str
+    ranks: int
+    request_key: str | None = Field(description="The key a result for it would be stored under, when known.")
+    reason: str = Field(description="Why there is none, and how to get one.")
+
+
+class MixedPlanMissing(BaseModel):
+    """409: some groups have no stored result; `missing` names each (the plan needs all)."""
+
+    detail: str
+    code: Literal["no_result"]
+    missing: list[MissingGroup]
 
 
 class PlanPending(BaseModel):

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from api.devices import snapshot
 from api.errors import NotFoundError, ProbeNotFinishedError
+from api.mixed import answer as answer_mixed
 from api.schemas import (
     FINGERPRINT_PATTERN,
     JOB_ID_PATTERN,
@@ -30,6 +31,9 @@ from api.schemas import (
     ErrorView,
     GpuView,
     InvalidView,
+    MixedPlanMissing,
+    MixedPlanQuery,
+    MixedPlanView,
     NotFoundView,
     PlanFailed,
     PlanPending,
@@ -246,6 +250,35 @@ async def plan_route(request: Request) -> Response:
 
 def _json(model: PlanFailed | PlanPending, code: int, headers: dict[str, str]) -> Response:
     return Response(model.model_dump_json(), status_code=code, headers=headers, media_type="application/json")
+
+
+@router.post(
+    "/plan/mixed",
+    response_model=MixedPlanView,
+    summary="One plan for a job whose ranks span GPU models, from each model's stored result",
+    operation_id="post_mixed_plan",
+    responses={
+        409: {
+            "model": MixedPlanMissing,
+            "description": "Some groups have no stored result: `missing` names each, with how to get one.",
+        },
+        **_errors(
+            404,
+            413,
+            422,
+            e404="The workload is not registered (`code` not_found), or a group names a device this node does not "
+            "have (`code` no_such_device).",
+        ),
+    },
+)
+async def mixed_plan(query: MixedPlanQuery, svc: ServiceDep) -> Response:
+    """Every rank runs the same number of accumulation steps; each group's ranks run micro-batches up
+    to its model's answer (mode per-model, with each micro-step's loss weight) or all ranks the
+    smallest answer's (mode uniform). Answered from stored results only: a group without one is a
+    409 naming it."""
+    made = await answer_mixed(svc, query)
+    code = status.HTTP_409_CONFLICT if isinstance(made, MixedPlanMissing) else status.HTTP_200_OK
+    return Response(made.model_dump_json(), status_code=code, media_type="application/json")
 
 
 # Devices and workloads ---------------------------------------------------------------------------

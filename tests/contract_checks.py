@@ -2,13 +2,14 @@
 hooks module (`hooks = "tests.contract_checks"`).
 
 `positive_data_acceptance` expects a schema-valid request to be accepted (or refused as 401, 403,
-404, 409, 429 or 5xx). Four operations have rules that no JSON Schema can state: headroom against
+404, 409, 429 or 5xx). Five operations have rules that no JSON Schema can state: headroom against
 memory, memory against the device (or AUTOTUNE_MAX_CPU_MEMORY), an effective batch against the
-world size and the stored answer, and a published result's fields against each other and against
-the registered workload. A schema-valid request that breaks one of them is a 422 whose `detail` is
-a message (or, for a published result, entries with no `input`: the rule, not a field). The test
-allows 422 in `positive_data_acceptance` for those four operations only, and this check takes its
-place there, stricter: a schema-valid request must never be refused because a field failed
+world size and the stored answer, a GPU model's name that matches several (a mixed plan's group),
+and a published result's fields against each other and against the registered workload. A
+schema-valid request that breaks one of them is a 422 whose `detail` is a message (or, for a
+published result, entries with no `input`: the rule, not a field). The test allows 422 in
+`positive_data_acceptance` for those five operations only, and this check takes its place there,
+stricter: a schema-valid request must never be refused because a field failed
 validation. Such a refusal would mean that the document and the server disagree about a value
 (the failure the check exists to find), so it fails the run.
 """

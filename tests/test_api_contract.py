@@ -39,11 +39,12 @@ The configuration (a schemathesis.toml the test writes):
   device, the others are refused with 429), probes that fail (409), plots of unfinished probes.
 - `query.wait` is 0 in generated plan queries, so that no query blocks on a probe (its bounds are
   still tested by the coverage phase and by negative data).
-- `positive_data_acceptance` also accepts 422 for the four operations that have rules no JSON
-  Schema can state (GET /v1/plan, POST /v1/probes, POST /v1/run-failures, POST /v1/results):
-  headroom against memory, memory against the device or AUTOTUNE_MAX_CPU_MEMORY, an effective
-  batch against the world size and the stored answer, a published result's fields against each
-  other and against the registered workload. `schema_valid_is_field_valid` then holds those 422s
+- `positive_data_acceptance` also accepts 422 for the five operations that have rules no JSON
+  Schema can state (GET /v1/plan, POST /v1/plan/mixed, POST /v1/probes, POST /v1/run-failures,
+  POST /v1/results): headroom against memory, memory against the device or
+  AUTOTUNE_MAX_CPU_MEMORY, an effective batch against the world size and the stored answer, a GPU
+  model's name that matches several, a published result's fields against each other and against
+  the registered workload. `schema_valid_is_field_valid` then holds those 422s
   to a rule, not a field.
 """
 
@@ -75,7 +76,13 @@ TOKEN = "contract-token"
 TINY = {"in_features": 64, "hidden": 64, "layers": 1, "classes": 10}
 SEED = 20261123
 EXAMPLES = 15
-OPERATIONS_WITH_RULES = ("GET /v1/plan", "POST /v1/probes", "POST /v1/run-failures", "POST /v1/results")
+OPERATIONS_WITH_RULES = (
+    "GET /v1/plan",
+    "POST /v1/plan/mixed",
+    "POST /v1/probes",
+    "POST /v1/run-failures",
+    "POST /v1/results",
+)
 
 CONFIG = """\
 hooks = "tests.contract_checks"
