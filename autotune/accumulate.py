@@ -30,15 +30,16 @@ The weight arithmetic is pure functions; nothing here imports torch at import ti
 
 from __future__ import annotations
 
+import array
 import logging
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
-from autotune.errors import ConfigError, DoubleScalingError
+from autotune.errors import AutotuneError, ConfigError, DoubleScalingError, RunOutOfMemoryError
 from autotune.plan import Plan
 
 _log = logging.getLogger("autotune")
@@ -117,11 +118,14 @@ class AcrossRanks:
     Needed when ranks' windows hold different amounts (token counts, or an uneven last window):
     DDP averages gradients over ranks, which equals the global mean only if every rank's total
     is the same. `total` sums an integer over ranks (a collective: every rank must run the same
-    number of windows, as DDP already requires).
+    number of windows, as DDP already requires). `group` and `device`, set by `from_process_group`,
+    are also where `OOMGuard` agrees across ranks.
     """
 
     world_size: int
     total: Callable[[int], int]
+    group: Any = field(default=None, compare=False)
+    device: Any = field(default=None, compare=False)
 
     @classmethod
     def from_process_group(cls, device: torch.device | str | None = None, group: Any = None) -> AcrossRanks:
@@ -137,7 +141,7 @@ class AcrossRanks:
             dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
             return int(summed.item())
 
-        return cls(world_size=dist.get_world_size(group), total=total)
+        return cls(world_size=dist.get_world_size(group), total=total, group=group, device=device)
 
 
 @dataclass(frozen=True)
@@ -220,6 +224,8 @@ class ShrinkEvent:
     new_micro_batch: int
     message: str
     micro_steps: int = 1  # micro-steps of the attempt that failed: more than 1 means gradients were alive
+    # Under DDP: whether this rank ran out of memory (False: another rank did, and this one shrinks with it).
+    ran_out: bool = True
 
 
 def split_batch(batch: B, size: int) -> list[B]:
@@ -259,14 +265,21 @@ class OOMGuard:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-    `window.run(fn)` calls `fn(step)` for each micro-step (inside `step.sync_context(model)`); `fn`
-    runs forward and backward. When one runs out of memory (a longer sequence than probed,
-    fragmentation hours in), the guard releases the failed step after the `except` block (inside
-    it the traceback still holds the step's tensors), drops the window's partial gradients, cuts
-    the window's samples into micro-batches of half the size, and redoes the window. The weights
+    `window.run(fn)` calls `fn(step)` for each micro-step (inside `step.sync_context(model)`, or
+    `model.no_sync()` on every micro-step when the ranks agree); `fn` runs forward and backward.
+    When one runs out of memory (a longer sequence than probed, fragmentation hours in), the
+    guard releases the failed step after the `except` block (inside it the traceback still holds
+    the step's tensors), drops the window's partial gradients, cuts the window's samples into
+    micro-batches of half the size, and redoes the window. The weights
     divide by the same window total, so the optimizer sees exactly the gradient of the window's
     mean loss. The smaller size is kept for later windows; `on_shrink` (and the `autotune` logger)
     hear of each change, e.g. to report it to the service (`AutotuneClient.report_run_oom`).
+
+    Under torch.distributed (initialized, more than one rank in `group`, the DDP model's or the
+    default one), the ranks agree after every attempt at a window whether any of them ran out of
+    memory, and all shrink together to the same size: see `_RankAgreement` for how, and why no
+    rank is left waiting in a collective. `agree=False` turns that off, `agree=True` insists
+    on it (an error without torch.distributed; also with one rank).
 
     The guard assumes the window starts with no gradients (`zero_grad(set_to_none=True)` after
     each optimizer step, the default). BatchNorm's running statistics see the failed part of the
@@ -280,18 +293,32 @@ class OOMGuard:
         on_shrink: Callable[[ShrinkEvent], None] | None = None,
         count: Callable[[Any], int | torch.Tensor] | None = None,
         ranks: AcrossRanks | None = None,
+        group: Any = None,
+        agree: bool | None = None,
     ) -> None:
         self.model = model
         self.on_shrink = on_shrink
         self.count = count
         self.ranks = ranks
+        self.group = group if group is not None else getattr(ranks, "group", None)
+        self.agree = agree
         self.micro_batch_limit: int | None = None  # set by the first shrink
         self.events: list[ShrinkEvent] = []
+        self._agreement: _RankAgreement | None = None
+        self._resolved = False
 
     def windows(self, batches: Iterable[B], steps: Plan | int) -> Iterator[GuardedWindow[B]]:
         """One `GuardedWindow` per optimizer step: `steps` micro-batches of `batches` each."""
         for number, window in enumerate(_windows(batches, _window_size(steps))):
             yield GuardedWindow(self, number, window)
+
+    def _ranks(self) -> _RankAgreement | None:
+        """How this guard agrees across ranks, or None in a single process (decided at the first window)."""
+        if not self._resolved:
+            device = getattr(self.ranks, "device", None)
+            self._agreement = _RankAgreement.resolve(self.model, self.agree, self.group, device)
+            self._resolved = True
+        return self._agreement
 
     def _micro_steps(self, number: int, window: list[Any], total: int | None) -> list[MicroStep[Any]]:
         pieces = window
@@ -299,23 +326,27 @@ class OOMGuard:
             pieces = [piece for batch in window for piece in split_batch(batch, self.micro_batch_limit)]
         return list(accumulate_window(number, pieces, count=self.count, ranks=self.ranks, total=total))
 
-    def _shrink(self, number: int, window: list[Any], message: str, micro_steps: int = 1) -> None:
-        current = self.micro_batch_limit or max(count_samples(b) for b in window)
-        if current <= 1:
-            from autotune.errors import RunOutOfMemoryError
+    def _current(self, window: list[Any]) -> int:
+        """The micro-batch size the window runs at now."""
+        return self.micro_batch_limit or max(count_samples(b) for b in window)
 
+    def _shrink(self, number: int, window: list[Any], message: str, micro_steps: int = 1) -> None:
+        current = self._current(window)
+        if current <= 1:
             raise RunOutOfMemoryError(
                 f"window {number} ran out of memory even with micro-batches of 1 sample: {message}"
             )
-        event = ShrinkEvent(number, current, -(-current // 2), message, micro_steps)
+        self._record(ShrinkEvent(number, current, -(-current // 2), message, micro_steps))
+
+    def _record(self, event: ShrinkEvent) -> None:
         self.micro_batch_limit = event.new_micro_batch
         self.events.append(event)
         _log.warning(
             "autotune: window %d ran out of memory at micro-batch %d; redoing it with micro-batches of %d (%s)",
-            number,
+            event.window,
             event.old_micro_batch,
             event.new_micro_batch,
-            message,
+            event.message,
         )
         if self.on_shrink is not None:
             self.on_shrink(event)
@@ -335,27 +366,258 @@ class GuardedWindow(Generic[B]):
         from autotune import oom
 
         guard = self.guard
+        agreement = guard._ranks()
         total: int | None = None  # the window's total, summed over ranks once: a redo must not all-reduce again
         while True:
             failure: str | None = None
+            error: Exception | None = None
             outputs: list[object] = []
             steps = guard._micro_steps(self.number, self.batches, total)
             total = steps[0].total if steps else 0
             try:
+                if agreement is None:
+                    for step in steps:
+                        with step.sync_context(guard.model):
+                            outputs.append(micro_step(step))
+                    return outputs
+                # Under DDP: no collective from here to `agree`, whatever the user's step does to DDP.
+                agreement.before_attempt()
                 for step in steps:
-                    with step.sync_context(guard.model):
+                    with agreement.no_sync():
                         outputs.append(micro_step(step))
-                return outputs
+                agreement.fill_gradients()
             except Exception as exc:
                 reason = oom.classify(exc)
-                if reason is None or reason.kind is not oom.OOMKind.OOM:
+                if reason is not None and reason.kind is oom.OOMKind.OOM:
+                    failure = reason.message
+                    oom.release(exc)
+                elif agreement is None:
                     raise
-                failure = reason.message
-                oom.release(exc)
+                else:
+                    error = exc  # raised once the other ranks know, so that none waits for this one
             # Outside the `except` block: the failed step's tensors are gone with the traceback.
-            del outputs
-            _drop_gradients(guard.model)
-            guard._shrink(self.number, self.batches, failure, len(steps))
+            if failure is not None:
+                outputs = []
+                _drop_gradients(guard.model)
+            if agreement is None:
+                guard._shrink(self.number, self.batches, failure or "", len(steps))
+                continue
+            current = guard._current(self.batches)
+            verdict = agreement.agree(failure is not None, error is not None, current)
+            if verdict.error_rank is not None:
+                if error is not None:
+                    raise error
+                raise AutotuneError(
+                    f"window {self.number}: rank {verdict.error_rank} failed with an error that is not out of "
+                    "memory; every rank stops here instead of waiting for it in a collective"
+                )
+            if verdict.oom_rank is None:
+                agreement.sync(verdict.used)
+                return outputs
+            if failure is None:  # another rank ran out of memory: this one redoes the window too
+                outputs = []
+                _drop_gradients(guard.model)
+            message = failure if failure is not None else f"rank {verdict.oom_rank} ran out of memory"
+            if verdict.size < 1:
+                raise RunOutOfMemoryError(
+                    f"window {self.number} ran out of memory on rank {verdict.oom_rank} even with micro-batches "
+                    f"of 1 sample: {message}"
+                )
+            guard._record(ShrinkEvent(self.number, current, verdict.size, message, len(steps), failure is not None))
+
+
+# Agreement across ranks ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Verdict:
+    oom_rank: int | None  # the lowest rank that ran out of memory, if any did
+    error_rank: int | None  # the lowest rank that failed otherwise, if any did
+    size: int  # the micro-batch every rank redoes the window with (the smallest proposed; 0: none is left)
+    used: list[bool]  # per DDP parameter: whether any rank has a gradient for it
+
+
+class _RankAgreement:
+    """One all-reduce per attempt at a window, so that all ranks shrink together or none does.
+
+    The deadlock this prevents: DDP all-reduces gradient buckets inside the backward of the
+    window's last micro-step. A rank that runs out of memory before that backward, or in it before
+    its last bucket, never enters (all of) those all-reduces, and the ranks that do wait forever;
+    agreeing just before the last backward would still hang on an OOM inside that backward.
+
+    So no collective runs while anything can run out of memory on one rank only:
+    1. Before the attempt (every rank gets there: no user code has run since the last agreement),
+       DDP's pending work that would otherwise run inside a forward is done or turned off: the
+       bucket rebuild after its first synced iteration, and the buffer broadcast.
+    2. Every micro-step runs under `no_sync()`, so forward and backward run no collective; an OOM
+       anywhere in them (or in `fill_gradients`) is caught on that rank alone.
+    3. `agree`: every rank, OOM or not, enters one MAX all-reduce of a small int64 vector of
+       preallocated memory (filled through a Python buffer, so it allocates nothing and cannot
+       itself run out): whether this rank ran out, whether it failed otherwise, its proposed
+       micro-batch (negated: the MAX is the smallest proposal), its rank if it ran out or failed
+       (negated, to name the lowest) and, per DDP parameter, whether it has a gradient.
+    4. Only when no rank failed, `sync` all-reduces the gradients in place (nothing to allocate)
+       and divides them by the world size (DDP's average), then broadcasts DDP's buffers from
+       rank 0 in place: the same number of collectives in the same order on every rank.
+    Otherwise every rank drops its gradients and redoes the window at the agreed size, or every
+    rank raises. The cost: one all-reduce of (5 + parameters) integers per attempt, and the
+    gradient all-reduce runs after the backward instead of overlapping its last micro-step.
+    Collectives in the user's own step (SyncBatchNorm, tensor parallelism) are beyond this.
+    """
+
+    _HEADER = 5  # ran out, failed otherwise, -proposal, -lowest rank that ran out, -lowest that failed
+
+    def __init__(self, model: Any, ddp: Any, group: Any, device: torch.device) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.model, self.ddp, self.group = model, ddp, group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        ignored: set[str] = getattr(ddp, "parameters_to_ignore", set())
+        # The parameters DDP synchronizes: those that require grad and are not ignored.
+        self.params: list[torch.Tensor] = (
+            []
+            if ddp is None
+            else [p for name, p in ddp.module.named_parameters() if p.requires_grad and name not in ignored]
+        )
+        self.used: list[bool] = [False] * len(self.params)
+        # Allocated once: the agreement itself must not allocate (an OOM there would leave the others waiting).
+        self.buffer = array.array("q", bytes(8 * (self._HEADER + len(self.params))))
+        self.host = torch.frombuffer(self.buffer, dtype=torch.int64)
+        self.flags = self.host if device.type == "cpu" else torch.zeros_like(self.host, device=device)
+
+    @classmethod
+    def resolve(cls, model: Any, agree: bool | None, group: Any, device: Any) -> _RankAgreement | None:
+        if agree is False:
+            return None
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            if agree:
+                raise ConfigError("OOMGuard(agree=True) needs torch.distributed: call init_process_group first")
+            return None
+        from torch.nn.parallel import DistributedDataParallel
+
+        inner = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+        ddp = inner if isinstance(inner, DistributedDataParallel) else None
+        if group is None and ddp is not None:
+            group = ddp.process_group
+        if agree is None and dist.get_world_size(group) < 2:
+            return None
+        if ddp is not None and (getattr(ddp, "static_graph", False) or getattr(ddp, "_delay_all_reduce_params", None)):
+            raise ConfigError(
+                "DDP(static_graph=True) (or delay_all_reduce_named_params) all-reduces inside backward even "
+                "under no_sync, where an OOM on one rank would leave the others waiting; OOMGuard syncs the "
+                "gradients itself: wrap the model without it"
+            )
+        if ddp is None and callable(getattr(model, "no_sync", None)):
+            raise ConfigError(
+                f"OOMGuard agrees across ranks for DDP models and modules that run no collective in backward; "
+                f"{type(model).__name__} (FSDP?) syncs gradients inside backward, where an OOM on one rank "
+                "would leave the others waiting. Pass agree=False to run it unguarded across ranks"
+            )
+        return cls(model, ddp, group, _flag_device(group, model, device))
+
+    def no_sync(self) -> AbstractContextManager[object]:
+        if self.ddp is None:
+            return nullcontext()
+        context: AbstractContextManager[object] = self.ddp.no_sync()
+        return context
+
+    def before_attempt(self) -> None:
+        import torch
+
+        if self.ddp is None:
+            return
+        # DDP broadcasts buffers at the start of a forward after a synced one (and its first); `sync` does it.
+        self.ddp.require_forward_param_sync = False
+        # After a synced iteration run before the guard, DDP rebuilds its buckets (a broadcast) in the next forward.
+        rebuild = getattr(getattr(self.ddp, "reducer", None), "_rebuild_buckets", None)
+        if callable(rebuild) and torch.is_grad_enabled():
+            rebuild()
+
+    def fill_gradients(self) -> None:
+        """Zeros for parameters without a gradient on this rank, so that all ranks all-reduce the
+        same tensors; allocated before agreeing, where an OOM is still the window's."""
+        import torch
+
+        self.used = [p.grad is not None for p in self.params]
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+    def agree(self, ran_out: bool, failed: bool, current: int) -> _Verdict:
+        """The collective every rank enters once per attempt, whatever happened in it."""
+        import torch.distributed as dist
+
+        proposal = (-(-current // 2) if current > 1 else 0) if ran_out else current
+        values = self.buffer
+        values[0], values[1] = int(ran_out), int(failed)
+        values[2] = -proposal
+        # Negated ranks: the MAX is the lowest rank that ran out (or failed), which messages name.
+        values[3] = -(self.rank if ran_out else self.world_size)
+        values[4] = -(self.rank if failed else self.world_size)
+        ok = not (ran_out or failed)
+        for index, used in enumerate(self.used):
+            values[self._HEADER + index] = int(ok and used)
+        if self.flags is not self.host:
+            self.flags.copy_(self.host)
+        dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, group=self.group)
+        if self.flags is not self.host:
+            self.host.copy_(self.flags)
+        oom, error, size = values[0], values[1], -values[2]
+        return _Verdict(
+            oom_rank=-values[3] if oom else None,
+            error_rank=-values[4] if error else None,
+            size=size,
+            used=[bool(v) for v in values[self._HEADER :]],
+        )
+
+    def sync(self, used: list[bool]) -> None:
+        """DDP's gradient average and buffer broadcast, after every rank said its window completed."""
+        import torch
+        import torch.distributed as dist
+
+        if self.ddp is None:
+            return
+        with torch.no_grad():
+            works = []
+            for p, any_rank in zip(self.params, used, strict=True):
+                if not any_rank:
+                    p.grad = None  # no rank used it: DDP leaves such a gradient alone
+                elif p.grad is not None:
+                    works.append(dist.all_reduce(p.grad, group=self.group, async_op=True))
+            for work in works:
+                work.wait()
+            for p, any_rank in zip(self.params, used, strict=True):
+                if any_rank and p.grad is not None:
+                    p.grad.div_(self.world_size)
+            reassigned = getattr(self.ddp, "_assign_modules_buffers", None)  # a list of the current buffers
+            if callable(reassigned):
+                reassigned()
+            if getattr(self.ddp, "forward_sync_buffers", False) and self.ddp.modules_buffers:
+                source = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+                works = [
+                    dist.broadcast(b, src=source, group=self.group, async_op=True) for b in self.ddp.modules_buffers
+                ]
+                for work in works:
+                    work.wait()
+
+
+def _flag_device(group: Any, model: Any, device: Any) -> torch.device:
+    """Where the agreement's tensor lives: the CPU for gloo (and MPI), a CUDA device for NCCL."""
+    import torch
+    import torch.distributed as dist
+
+    if device is not None:
+        return torch.device(device)
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or "mpi" in backend:
+        return torch.device("cpu")
+    params = [p.device for p in model.parameters()]
+    if "nccl" in backend:
+        cuda = [d for d in params if d.type == "cuda"]
+        return cuda[0] if cuda else torch.device("cuda", torch.cuda.current_device())
+    return params[0] if params else torch.device("cpu")
 
 
 def accelerate_divides_by() -> int:
