@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from autotune.results import MemoryBreakdown, MemoryRole
@@ -230,10 +230,42 @@ class BudgetDevice:
     def active(self) -> Iterator[None]:
         """Count and enforce the limit for every op run inside this block."""
         try:
-            with _BudgetMode(self._counter, self.limit_bytes):
+            with _BudgetMode(self._counter, self.limit_bytes), _counted_resizes(self._counter, self.limit_bytes):
                 yield
         finally:
             self._counter.op = None  # what is counted outside the block ran in no op
+
+
+@contextmanager
+def _counted_resizes(counter: _Counter, limit_bytes: int) -> Iterator[None]:
+    """Count `UntypedStorage.resize_` too: it is no tensor op, so the dispatch mode never sees it.
+    FSDP2 frees an all-gathered parameter by resizing its storage to 0 and allocates the next one
+    by resizing it back; uncounted, every layer's unsharded parameters stayed live to the counter
+    and a sharded model peaked far above what a rank holds. Growing past the limit is an OOM."""
+    original = torch.UntypedStorage.resize_
+
+    def resize_(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
+        before_size = storage.nbytes()
+        counter.op = "UntypedStorage.resize_"
+        result = original(storage, size)
+        before = counter.live
+        old = counter.add(storage)
+        if counter.live > limit_bytes and counter.live > before:
+            would_be = counter.live
+            counter.undo(id(storage), old)
+            original(storage, before_size)
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate {format_bytes(would_be - before)}. "
+                f"(autotune's CPU budget device, not a GPU: {format_bytes(would_be)} would be live, "
+                f"limit {format_bytes(limit_bytes)}; in UntypedStorage.resize_)"
+            )
+        return result
+
+    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
 
 
 class _BudgetMode(TorchDispatchMode):
@@ -253,8 +285,7 @@ class _BudgetMode(TorchDispatchMode):
         counter.op = func
         inputs, _ = tree_flatten((args, kwargs))
         for value in inputs:
-            if isinstance(value, torch.Tensor):
-                storage = value.untyped_storage()
+            for storage in _storages(value):
                 if id(storage) not in counter.sizes:
                     counter.add(storage)
         before = counter.live
@@ -285,7 +316,22 @@ def _count_outputs(counter: _Counter, out: Any) -> list[tuple[int, int | None]]:
     A function of its own so that no local of the op's frame keeps an output alive after an OOM."""
     added: list[tuple[int, int | None]] = []
     for value in tree_flatten(out)[0]:
-        if isinstance(value, torch.Tensor):
-            storage = value.untyped_storage()
+        for storage in _storages(value):
             added.append((id(storage), counter.add(storage)))
     return added
+
+
+def _storages(value: object) -> Iterator[torch.UntypedStorage]:
+    """The storages that hold a value's bytes on this device. A wrapper tensor subclass (FSDP2's
+    DTensor: a sharded parameter, gradient or optimizer state) holds its bytes in its inner
+    tensors, the rank's local shard; its own storage stands for the global, unsharded size, which
+    this process never allocates. Counting that instead made a sharded model peak higher than the
+    unsharded one."""
+    if not isinstance(value, torch.Tensor):
+        return
+    if is_traceable_wrapper_subclass(value):
+        names, _ = value.__tensor_flatten__()
+        for name in names:
+            yield from _storages(getattr(value, name))
+        return
+    yield value.untyped_storage()
