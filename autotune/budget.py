@@ -173,7 +173,8 @@ class BudgetDevice:
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count tensors that were created outside the mode (parameters, buffers, inputs)."""
         for tensor in tensors:
-            self._counter.add(tensor.untyped_storage())
+            for storage in _storages(tensor):
+                self._counter.add(storage)
 
     def live_bytes(self) -> int:
         return self._counter.live
@@ -191,7 +192,8 @@ class BudgetDevice:
     def mark(self, tensors: Iterable[torch.Tensor], role: MemoryRole) -> None:
         """Say what counted tensors are (the model's, gradients, optimizer state) for `peak_breakdown`."""
         for tensor in tensors:
-            self._counter.mark(tensor.untyped_storage(), role)
+            for storage in _storages(tensor):
+                self._counter.mark(storage, role)
 
     def peak_breakdown(self) -> MemoryBreakdown | None:
         """What filled the memory at the peak since `reset_peak`: exact, summing to the peak."""

@@ -157,6 +157,10 @@ def _print_summary(result: ProbeResult) -> None:
             f"  without accumulation (one micro-step per optimizer step): {result.max_micro_batch_without_accumulation}"
         )
     out.print(f"  verified for: {result.loop.describe()}", highlight=False, markup=False)
+    if result.workload.parallel.strategy != "none":
+        from autotune.parallel import describe
+
+        out.print(f"  {describe(result.workload.parallel)}", highlight=False, markup=False)
     out.print(
         f"  device: {escape(result.device.name)}; budget {format_bytes(result.budget_bytes)} "
         f"({escape(result.budget_policy)}), headroom {format_bytes(result.headroom_bytes)}, "
@@ -335,6 +339,14 @@ def probe(
     confirm_steps: Annotated[
         int, typer.Option(metavar="N", min=1, max=100, help="Optimizer steps of each fresh-process confirmation run.")
     ] = 2,
+    parallel: Annotated[
+        str,
+        typer.Option(
+            metavar="none|ddp|fsdp",
+            help="How the job runs the model across ranks: ddp (DistributedDataParallel: its gradient buckets are "
+            "measured) or fsdp (FSDP2 over --world-size ranks: rank 0 simulated on this one device).",
+        ),
+    ] = "none",
 ) -> None:
     """Probe the largest micro-batch of TARGET that fits within the budget, and plan accumulation
     for --effective-batch. TARGET is a built-in example (mlp, cnn, gpt) or module:attribute naming a
@@ -371,7 +383,13 @@ def probe(
         prefetch=prefetch,
         confirm=confirm,
         confirm_steps=confirm_steps,
+        parallel=_choice(parallel, ("none", "ddp", "fsdp"), "--parallel"),
     )
+    if parallel == "fsdp" and world_size < 2:
+        raise ConfigError(
+            f"--parallel fsdp shards over --world-size ranks, and --world-size is {world_size}: give the job's "
+            "number of ranks, e.g. --world-size 4"
+        )
     if max_batch is not None and max_batch < granularity:
         raise ConfigError(f"--max-batch {max_batch} is below --granularity {granularity}: raise --max-batch")
     if effective_batch is not None:

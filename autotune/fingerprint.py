@@ -35,7 +35,7 @@ from autotune.errors import WorkloadError
 from autotune.workload import Workload
 
 if TYPE_CHECKING:
-    from autotune.results import ProbeResult
+    from autotune.results import ParallelSpec, ProbeResult
 
 # In-place initializers: on the meta device they have no values to fill, and torch's meta
 # implementations of some (`normal_`: nn.Embedding) import torch._dynamo on first use, about a
@@ -157,9 +157,13 @@ def probe_environment(
     torch_version: str,
     cuda_version: str | None,
     allocator: str | None,
+    parallel: ParallelSpec | None = None,
 ) -> dict[str, Any]:
-    """The environment a probe's fingerprint holds (`autotune.probe.result_fingerprint`)."""
+    """The environment a probe's fingerprint holds (`autotune.probe.result_fingerprint`). A
+    parallel setup is in it when there is one (results without one keep their fingerprints)."""
+    extra = {} if parallel is None or parallel.strategy == "none" else {"parallel": parallel.model_dump()}
     return {
+        **extra,
         "steps": steps,
         "device": {"kind": device_kind, "name": device_name, "total_bytes": total_bytes},
         "limit_bytes": limit_bytes,
@@ -186,6 +190,7 @@ def result_environment(result: ProbeResult) -> dict[str, Any]:
         torch_version=result.versions.torch,
         cuda_version=result.versions.cuda,
         allocator=result.allocator_config,
+        parallel=result.workload.parallel,
     )
 
 

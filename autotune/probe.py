@@ -14,6 +14,7 @@ micro-batches before the first forward), so its plan is settled in the plan's ow
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import platform
 import time
@@ -126,7 +127,9 @@ def device_info(device: ProbeDevice) -> DeviceInfo:
 
 def load_workload(request: ProbeRequest) -> Workload:
     workload = resolve(request.target, request.options)
-    return workload.with_overrides(precision=request.precision, optimizer=request.optimizer)
+    workload = workload.with_overrides(precision=request.precision, optimizer=request.optimizer)
+    spec = request.parallel_spec()
+    return workload if spec == workload.parallel else dataclasses.replace(workload, parallel=spec)
 
 
 def result_fingerprint(workload: Workload, request: ProbeRequest, info: DeviceInfo, limit_bytes: int) -> str:
@@ -144,6 +147,7 @@ def result_fingerprint(workload: Workload, request: ProbeRequest, info: DeviceIn
         torch_version=torch.__version__,
         cuda_version=torch.version.cuda,
         allocator=gpu.allocator_config(),
+        parallel=workload.parallel,
     )
     return fingerprint.fingerprint(workload, **environment)
 
@@ -226,6 +230,7 @@ def run_probe(
             optimizer=workload.optimizer_name,
             steps=request.steps,
             input_spec=dict(workload.input_spec),
+            parallel=workload.parallel,
         ),
         device=info,
         budget_policy=policy,  # type: ignore[arg-type]

@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from autotune.errors import ConfigError, WorkloadError
 from autotune.plan import Policy, plan_for_loops
-from autotune.results import ProbeResult, TrialRecord
+from autotune.results import ParallelSpec, ProbeResult, TrialRecord
 from autotune.units import parse_headroom, parse_size
 
 OptionValue = str | int | float | bool
@@ -58,6 +58,19 @@ class ProbeRequest(BaseModel):
     )
     confirm: bool = Field(default=True, description="Run the answer again in a fresh process after the search.")
     confirm_steps: int = Field(default=2, ge=1, le=100, description="Optimizer steps of each confirmation run.")
+    parallel: Literal["none", "ddp", "fsdp"] = Field(
+        default="none",
+        description="ddp: the model in DistributedDataParallel; fsdp: FSDP2 over world_size ranks, rank 0 simulated.",
+    )
+    reshard_after_forward: bool = Field(default=True, description="FSDP: free gathered parameters after forward.")
+
+    def parallel_spec(self) -> ParallelSpec:
+        """The parallel setup a rank runs in (FSDP shards over world_size; DDP's rank holds a whole copy)."""
+        if self.parallel == "fsdp":
+            return ParallelSpec(
+                strategy="fsdp", world_size=self.world_size, reshard_after_forward=self.reshard_after_forward
+            )
+        return ParallelSpec(strategy=self.parallel)
 
     @field_validator("memory", "min_free_memory", mode="before")
     @classmethod
@@ -75,6 +88,8 @@ class ProbeRequest(BaseModel):
             parse_device(self.device)
         if isinstance(self.headroom, float) and not 0 <= self.headroom < 1:
             raise ValueError("headroom fraction must be in [0, 1)")
+        if self.parallel == "fsdp" and self.world_size < 2:
+            raise ValueError("parallel='fsdp' shards over world_size ranks: give world_size 2 or more")
         if self.search == "predict" and self.start_batch != 1:
             raise ValueError("start_batch is for search='plain': the predicted search starts from its timeline trials")
         return self

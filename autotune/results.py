@@ -169,6 +169,19 @@ class DeviceInfo(BaseModel):
     total_bytes: int = Field(description="The card's total memory, or the simulated memory of the budget device.")
 
 
+class ParallelSpec(BaseModel):
+    """How the job runs the model across ranks: what a rank's memory was probed under."""
+
+    model_config = ConfigDict(frozen=True)
+
+    strategy: Literal["none", "ddp", "fsdp"] = Field(
+        default="none",
+        description="none; ddp (DistributedDataParallel); fsdp (FSDP2 fully_shard, per block then root).",
+    )
+    world_size: int = Field(default=1, ge=1, description="The ranks FSDP shards over (1 for none and ddp).")
+    reshard_after_forward: bool = Field(default=True, description="FSDP: free gathered parameters after forward.")
+
+
 class WorkloadRef(BaseModel):
     """What was probed: a target (built-in example or module:attribute) and its options."""
 
@@ -181,6 +194,7 @@ class WorkloadRef(BaseModel):
         default_factory=dict,
         description="What the batch was made of: sizes, or the worst-case samples of the job's data and their shapes.",
     )
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec, description="The parallel setup a rank was probed in.")
 
 
 class Versions(BaseModel):

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from autotune import oom, usercode
+from autotune import oom, parallel, usercode
 from autotune.errors import NotAnOOMError, NothingFitsError
 from autotune.progress import ProgressCallback, TrialProgress
 from autotune.results import LoopShape, MemoryBreakdown, MemoryRole, TrialRecord
@@ -229,11 +229,13 @@ class TrialRunner:
                 held.append(workload.make_batch(batch, device.torch_device))
                 if len(held) > loop.prefetch + 1:
                     held.popleft()
-                with torch.autocast(device_type, dtype=dtype or torch.float32, enabled=dtype is not None):
-                    loss = workload.loss(model, held[0])
-                if loop.micro_steps > 1:
-                    loss = loss / loop.micro_steps
-                scaler.scale(loss).backward()
+                # DDP: no gradient sync but on the window's last micro-step, as a DDP job accumulates.
+                with parallel.accumulating_context(model, last=micro == loop.micro_steps - 1):
+                    with torch.autocast(device_type, dtype=dtype or torch.float32, enabled=dtype is not None):
+                        loss = workload.loss(model, held[0])
+                    if loop.micro_steps > 1:
+                        loss = loss / loop.micro_steps
+                    scaler.scale(loss).backward()
                 del loss
             scaler.step(optimizer)
             scaler.update()
@@ -286,7 +288,9 @@ def _build(workload: Workload, device: ProbeDevice) -> nn.Module:
     failure: str | None = None
     try:
         with device.active():
-            return workload.build_model().to(device.torch_device)
+            model = workload.build_model().to(device.torch_device)
+            # Wrapped as the job wraps it (DDP's buckets, FSDP's shards), inside the counting.
+            return parallel.wrap(model, workload.parallel, device.torch_device, _AUTOCAST.get(workload.precision))
     except Exception as exc:  # classified here; anything but an OOM propagates
         reason = oom.classify(exc)
         if reason is None or reason.kind is not oom.OOMKind.OOM:

@@ -39,6 +39,7 @@ from torch import nn
 from autotune.errors import AutotuneError, WorkloadError
 from autotune.request import OptionValue
 from autotune.request import parse_options as parse_options  # torch-free there; re-exported
+from autotune.results import ParallelSpec
 from autotune.usercode import attach, describe, where
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -74,6 +75,8 @@ class Workload:
     # Shapes and sizes that the batch depends on (sequence length, image size...): part of the
     # fingerprint, because memory depends on them but a model's structure does not show them.
     input_spec: Mapping[str, OptionValue] = field(default_factory=dict)
+    # How the job runs the model across ranks (autotune.parallel); set from the probe request.
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)
 
     def __post_init__(self) -> None:
         if isinstance(self.optimizer, str):

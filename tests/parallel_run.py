@@ -1,0 +1,60 @@
+"""One rank of a real multi-process job on CPU (gloo), for the truth of the one-device simulation.
+
+`python -m tests.parallel_run JOB_JSON RANK PORT`: joins a gloo group of the job's world size on
+127.0.0.1, builds the workload on a budget device at the probe's limit, wraps it as
+autotune.parallel does (FSDP2 over the real group's mesh, or DDP), runs the probe's loop at the
+micro-batch, and prints {"rank", "fits", "peak", "message"} as its last line. Every rank builds
+the same model from the same seed and the same batch shapes, so ranks run out of memory at the
+same allocation, before the next collective: none is left waiting (the caller has a timeout too).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> None:
+    job = json.loads(open(sys.argv[1]).read())
+    rank, port = int(sys.argv[2]), int(sys.argv[3])
+    world = job["world_size"]
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    from autotune.budget import BudgetDevice
+    from autotune.parallel.fsdp import shard
+    from autotune.probe import ProbeRequest, load_workload
+    from autotune.results import LoopShape
+    from autotune.trial import TrialRunner
+
+    request = ProbeRequest.model_validate(job["request"])
+    workload = load_workload(request.model_copy(update={"parallel": "none", "world_size": 1}))
+    device = BudgetDevice(job["total_bytes"], job["limit_bytes"])
+    torch.manual_seed(0)
+    with device.active():
+        model = workload.build_model()
+        if job["strategy"] == "fsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            model = shard(model, init_device_mesh("cpu", (world,)))
+        else:
+            from torch.nn.parallel import DistributedDataParallel
+
+            model = DistributedDataParallel(model)
+    runner = TrialRunner(workload, device, steps=request.steps, model=model)
+    record = runner.run(job["batch"], LoopShape(micro_steps=job["micro_steps"], steps=request.steps))
+    print(
+        json.dumps(
+            {"rank": rank, "fits": record.fits, "peak": record.peak_allocated_bytes, "message": record.oom_message}
+        )
+    )
+    sys.stdout.flush()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

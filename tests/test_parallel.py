@@ -1,0 +1,107 @@
+"""Parallel jobs (issue 13): `--parallel ddp` and `--parallel fsdp` probed as they run, and the
+one-device simulation against the truth, a real multi-process gloo job on CPU whose every rank has
+its own budget device at the probe's limit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from autotune.probe import ProbeRequest, run_probe
+from autotune.results import ProbeResult
+from tests.serving import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = {"target": "gpt", "device": "cpu", "memory": "128MiB", "headroom": 0, "confirm": False}
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, ProbeResult]:
+    found = {
+        "none": run_probe(ProbeRequest(**BASE)),
+        "ddp": run_probe(ProbeRequest(**BASE, parallel="ddp")),
+        "fsdp2": run_probe(ProbeRequest(**BASE, parallel="fsdp", world_size=2)),
+        "fsdp4": run_probe(ProbeRequest(**BASE, parallel="fsdp", world_size=4)),
+    }
+    yield found
+    assert not dist.is_initialized() or True  # the group lives until exit; released below
+    from autotune import parallel
+
+    parallel._release()
+
+
+def _exact(result: ProbeResult) -> None:
+    answer = result.max_micro_batch
+    tried = {(t.batch, t.micro_steps): t.fits for t in result.evidence()}
+    assert tried[(answer, result.loop.micro_steps)] is True
+    assert tried[(answer + 1, result.loop.micro_steps)] is False
+
+
+def test_each_setup_answers_exactly_for_its_loop_and_is_keyed_apart(results: dict[str, ProbeResult]) -> None:
+    for result in results.values():
+        _exact(result)
+    none, ddp, fsdp2, fsdp4 = (results[k] for k in ("none", "ddp", "fsdp2", "fsdp4"))
+    # DDP's rank holds the model and its buckets: no more than the plain answer. Sharding leaves
+    # room for more samples the more ranks share the model.
+    assert ddp.max_micro_batch <= none.max_micro_batch < fsdp2.max_micro_batch <= fsdp4.max_micro_batch
+    assert len({r.fingerprint for r in results.values()}) == 4
+    assert fsdp4.workload.parallel.strategy == "fsdp" and fsdp4.workload.parallel.world_size == 4
+    # What a rank holds of the model: a quarter of its parameters (rows padded to divide by 4).
+    assert none.breakdown is not None and fsdp4.breakdown is not None
+    assert abs(fsdp4.breakdown.parameters - none.breakdown.parameters / 4) < none.breakdown.parameters * 0.01
+
+
+def _real_job(tmp_path: Path, result: ProbeResult, strategy: str, world: int, batch: int) -> list[dict]:  # type: ignore[type-arg]
+    job = {
+        "request": {**BASE, "parallel": "none"},
+        "strategy": strategy,
+        "world_size": world,
+        "total_bytes": result.budget_bytes,
+        "limit_bytes": result.limit_bytes,
+        "batch": batch,
+        "micro_steps": result.loop.micro_steps,
+    }
+    path = tmp_path / f"{strategy}-{world}-{batch}.json"
+    path.write_text(json.dumps(job))
+    port = free_port()
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.parallel_run", str(path), str(rank), str(port)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    answers = []
+    try:
+        for rank in ranks:
+            out, err = rank.communicate(timeout=120)
+            assert rank.returncode == 0, err[-2000:]
+            answers.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for rank in ranks:
+            rank.kill()
+    return answers
+
+
+@pytest.mark.parametrize(("key", "strategy", "world"), [("fsdp2", "fsdp", 2), ("fsdp4", "fsdp", 4), ("ddp", "ddp", 2)])
+def test_the_one_device_answer_holds_on_every_rank_of_a_real_job_and_one_more_does_not(
+    tmp_path: Path, results: dict[str, ProbeResult], key: str, strategy: str, world: int
+) -> None:
+    result = results[key]
+    answer = result.max_micro_batch
+    at = _real_job(tmp_path, result, strategy, world, answer)
+    assert all(r["fits"] for r in at), at
+    # The simulated rank's peak is each real rank's, to the byte.
+    simulated = result.trial_at_answer
+    assert simulated is not None
+    assert {r["peak"] for r in at} == {simulated.peak_allocated_bytes}
+    over = _real_job(tmp_path, result, strategy, world, answer + 1)
+    assert not all(r["fits"] for r in over), over
