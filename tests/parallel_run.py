@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 
 def main() -> None:
-    job = json.loads(open(sys.argv[1]).read())
+    job = json.loads(Path(sys.argv[1]).read_text())
     rank, port = int(sys.argv[2]), int(sys.argv[3])
     world = job["world_size"]
     dist.init_process_group(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ BASE = {"target": "gpt", "device": "cpu", "memory": "128MiB", "headroom": 0, "co
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[str, ProbeResult]:
+def results() -> Iterator[dict[str, ProbeResult]]:
     found = {
         "none": run_probe(ProbeRequest(**BASE)),
         "ddp": run_probe(ProbeRequest(**BASE, parallel="ddp")),
@@ -29,10 +30,12 @@ def results() -> dict[str, ProbeResult]:
         "fsdp4": run_probe(ProbeRequest(**BASE, parallel="fsdp", world_size=4)),
     }
     yield found
-    assert not dist.is_initialized() or True  # the group lives until exit; released below
+    # The probe's process group lives as long as its process (a probe's own child, normally);
+    # here the test process ends it, so that later tests start without one.
     from autotune import parallel
 
     parallel._release()
+    assert not dist.is_initialized()
 
 
 def _exact(result: ProbeResult) -> None:
