@@ -19,13 +19,14 @@ import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from autotune.errors import ConfigError
 from autotune.mixed import MixedPlan, Mode
 from autotune.plan import Plan, Policy
 from autotune.registry import NAME_PATTERN
-from autotune.results import ProbeResult, TrialRecord
+from autotune.request import parallel_spec
+from autotune.results import ParallelSpec, ProbeResult, TrialRecord
 from autotune.store import JobError, JobStatus
 from autotune.units import parse_headroom, parse_size
 
@@ -144,7 +145,30 @@ class _MemoryFields(BaseModel):
         return headroom_value(value)
 
 
-class ProbeCreate(_MemoryFields):
+class _ParallelFields(BaseModel):
+    """How the job runs the model across ranks: what a rank holds, so part of the request key."""
+
+    parallel: Literal["none", "ddp", "fsdp"] = Field(
+        default="none",
+        description="none; ddp: each rank's model in DistributedDataParallel (its gradient buckets counted); fsdp: "
+        "FSDP2 over world_size ranks, rank 0 of the job simulated on one device.",
+    )
+    world_size: int = Field(default=1, ge=1, le=65536, description="Data-parallel ranks (FSDP shards over them).")
+    reshard_after_forward: bool = Field(
+        default=True, description="FSDP with autotune's per-block sharding: free gathered parameters after forward."
+    )
+
+    @model_validator(mode="after")
+    def _fsdp_has_ranks(self) -> Any:
+        if self.parallel == "fsdp" and self.world_size < 2:
+            raise ValueError("parallel=fsdp shards over world_size ranks: give world_size 2 or more")
+        return self
+
+    def parallel_spec(self) -> ParallelSpec:
+        return parallel_spec(self.parallel, self.world_size, self.reshard_after_forward)
+
+
+class ProbeCreate(_ParallelFields, _MemoryFields):
     """`POST /v1/probes`: probe a registered workload. Omitted fields take the server's defaults
     (AUTOTUNE_* settings) and the workload's registered ones."""
 
@@ -167,7 +191,7 @@ class ProbeCreate(_MemoryFields):
     refresh: bool = Field(default=False, description="Probe again even when a result is stored.")
 
 
-class PlanQuery(_MemoryFields):
+class PlanQuery(_ParallelFields, _MemoryFields):
     """`GET /v1/plan` query parameters. Parameters it does not know are ignored, as usual in a
     query string. Frozen once validated: `memory` and `headroom` hold what they parse to, so two
     spellings of one query (memory=128MiB, memory=134217728) are equal and hash alike."""
@@ -176,7 +200,6 @@ class PlanQuery(_MemoryFields):
 
     workload: str = Field(pattern=NAME_PATTERN, description="A registered workload.")
     effective_batch: int = Field(ge=1, le=MAX_BATCH, description="Samples per optimizer step, over all ranks.")
-    world_size: int = Field(default=1, ge=1, le=65536, description="Data-parallel ranks.")
     policy: Policy = Field(default=Policy.FEWEST_STEPS, description="fewest-steps, or exact (equal micro-batches).")
     device: str | None = Field(default=None, pattern=DEVICE_PATTERN, description="cpu, cuda or cuda:N.")
     memory: Annotated[int | None, WithJsonSchema(SIZE_SCHEMA)] = Field(
@@ -234,7 +257,7 @@ class MixedPlanQuery(BaseModel):
     optimizer: Literal["sgd", "adam", "adamw"] | None = None
 
 
-class RunFailureReport(_MemoryFields):
+class RunFailureReport(_ParallelFields, _MemoryFields):
     """`POST /v1/run-failures`: a run of a planned job ran out of memory at `micro_batch`."""
 
     workload: str = Field(pattern=NAME_PATTERN, description="A registered workload.")

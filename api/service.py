@@ -34,7 +34,7 @@ from autotune.plan import Plan, Policy, plan
 from autotune.probe import ProbeRequest
 from autotune.probekey import ProbeKey, key_for_request
 from autotune.registry import RegisteredWorkload, Registry, load_registry
-from autotune.results import ProbeResult
+from autotune.results import ParallelSpec, ProbeResult
 from autotune.settings import Settings
 from autotune.store import JobRecord, Store, StoredResult, StoreError, Submitted
 
@@ -182,9 +182,13 @@ class Service:
         steps: int | None = None,
         max_batch: int | None = None,
         granularity: int | None = None,
+        parallel: ParallelSpec | None = None,
     ) -> Resolved:
         """Raises UnknownWorkloadError (404), NoDeviceError (503) or ConfigError (422)."""
-        memo_key = (workload, device, memory, budget, headroom, precision, optimizer, steps, max_batch, granularity)
+        spec = parallel or ParallelSpec()
+        memo_key = (
+            workload, device, memory, budget, headroom, precision, optimizer, steps, max_batch, granularity, spec
+        )  # fmt: skip
         found = self._resolved.get(memo_key)
         if found is not None:
             return found
@@ -203,6 +207,7 @@ class Service:
             steps=steps,
             max_batch=max_batch,
             granularity=granularity,
+            parallel=spec,
         )
         # Everything explicit, so that the child's own AUTOTUNE_* defaults cannot make it probe
         # something other than what the key says.
@@ -219,6 +224,9 @@ class Service:
             max_batch=key.max_batch,
             granularity=key.granularity,
             prefetch=key.prefetch,
+            parallel=spec.strategy,
+            world_size=spec.world_size,
+            reshard_after_forward=spec.reshard_after_forward,
         )
         resolved = Resolved(entry=entry, device=device_id, key=key, digest=key.digest(), request=request)
         self._resolved[memo_key] = resolved

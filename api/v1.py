@@ -171,6 +171,7 @@ def _resolve_query(svc: Service, query: PlanQuery | RunFailureReport) -> Resolve
         headroom=query.headroom,
         precision=query.precision,
         optimizer=query.optimizer,
+        parallel=query.parallel_spec(),
     )
 
 
@@ -363,6 +364,7 @@ async def create_probe(body: ProbeCreate, response: Response, svc: ServiceDep) -
         steps=body.steps,
         max_batch=body.max_batch,
         granularity=body.granularity,
+        parallel=body.parallel_spec(),
     )
     cached = None if body.refresh else svc.results.get(resolved.digest)
     if cached is not None:

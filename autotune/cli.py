@@ -347,6 +347,14 @@ def probe(
             "measured) or fsdp (FSDP2 over --world-size ranks: rank 0 simulated on this one device).",
         ),
     ] = "none",
+    reshard_after_forward: Annotated[
+        bool,
+        typer.Option(
+            "--reshard-after-forward/--no-reshard-after-forward",
+            help="--parallel fsdp: free each block's gathered parameters after forward (ZeRO-3), or keep them "
+            "for backward (ZeRO-2: more memory, fewer all-gathers), as the job's fully_shard does.",
+        ),
+    ] = True,
 ) -> None:
     """Probe the largest micro-batch of TARGET that fits within the budget, and plan accumulation
     for --effective-batch. TARGET is a built-in example (mlp, cnn, gpt) or module:attribute naming a
@@ -384,7 +392,13 @@ def probe(
         confirm=confirm,
         confirm_steps=confirm_steps,
         parallel=_choice(parallel, ("none", "ddp", "fsdp"), "--parallel"),
+        reshard_after_forward=reshard_after_forward,
     )
+    if not reshard_after_forward and parallel != "fsdp":
+        raise ConfigError(
+            f"--no-reshard-after-forward is FSDP's choice, and --parallel is {parallel}: add --parallel fsdp "
+            "--world-size N, or drop it"
+        )
     if parallel == "fsdp" and world_size < 2:
         raise ConfigError(
             f"--parallel fsdp shards over --world-size ranks, and --world-size is {world_size}: give the job's "

@@ -26,6 +26,7 @@ from autotune import __version__, fingerprint, gpu, nvml
 from autotune.budget import BudgetDevice
 from autotune.errors import ConfigError, InsufficientMemoryError
 from autotune.objective import time_and_choose
+from autotune.parallel import sharding_name
 from autotune.predict import predicted_search
 from autotune.progress import ProgressCallback
 from autotune.request import ProbeRequest, TrialCallback, parse_device, with_plan  # (re-exported)
@@ -129,6 +130,13 @@ def load_workload(request: ProbeRequest) -> Workload:
     workload = resolve(request.target, request.options)
     workload = workload.with_overrides(precision=request.precision, optimizer=request.optimizer)
     spec = request.parallel_spec()
+    if spec.strategy == "fsdp" and workload.shard is not None:
+        if not spec.reshard_after_forward:
+            raise ConfigError(
+                f"reshard_after_forward=False applies to autotune's own sharding; {workload.name!r} shards with its "
+                "own function, which passes reshard_after_forward to fully_shard itself: drop the option"
+            )
+        spec = spec.model_copy(update={"sharding": sharding_name(workload.shard)})
     return workload if spec == workload.parallel else dataclasses.replace(workload, parallel=spec)
 
 

@@ -16,6 +16,8 @@ form that the request and the result both give:
   restart and a probe, instead of the old model's answer. Old results stay stored (and readable by
   fingerprint); no query reaches them any more. Any edit of those files, a comment included,
   changes the key: a needless probe costs seconds, a stale answer an out-of-memory crash;
+- the parallel setup a rank runs in (DDP; FSDP with its world size, `reshard_after_forward` and
+  sharding, the workload's own function or ours), when there is one;
 - the device model: its kind, name and total memory as torch reports it. For a GPU the service
   reads NVML, whose total includes memory the driver reserves: torch's `total_memory` equals
   NVML's v2 total minus `reserved` (85,017,493,504 = 85,520,809,984 - 503,316,480 on an H100);
@@ -44,7 +46,7 @@ from autotune import __version__, fingerprint
 from autotune.errors import ConfigError, WorkloadError
 from autotune.probe import headroom_bytes
 from autotune.registry import RegisteredWorkload
-from autotune.results import SCHEMA_VERSION, ProbeResult
+from autotune.results import SCHEMA_VERSION, ParallelSpec, ProbeResult
 from autotune.units import format_bytes
 from autotune.workload import OptionValue, resolve
 
@@ -91,10 +93,16 @@ class ProbeKey(BaseModel):
     device: DeviceKey
     limit_bytes: int | None = Field(description="budget - headroom; None for a free-memory budget.")
     free_budget: FreeBudget | None = None
+    # A rank of a DDP or FSDP job holds something else than one process of the model (and an FSDP
+    # rank depends on the world size and the sharding): another answer, another key.
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec)
 
     def digest(self) -> str:
-        """sha256 of the canonical JSON: the key stored with jobs and results."""
+        """sha256 of the canonical JSON: the key stored with jobs and results. A key without a
+        parallel setup digests as before there was one, so stored results keep answering."""
         document = self.model_dump(mode="json")
+        if self.parallel.strategy == "none":
+            del document["parallel"]
         encoded = json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(encoded).hexdigest()
 
@@ -111,6 +119,7 @@ def key_for_request(
     steps: int | None = None,
     max_batch: int | None = None,
     granularity: int | None = None,
+    parallel: ParallelSpec | None = None,
 ) -> ProbeKey:
     """The key of a probe of `entry` on `device`, with the same arithmetic as the probe's
     `open_device`. For the budget device, `device.total_bytes` is its size (the request's memory
@@ -144,7 +153,15 @@ def key_for_request(
         device=device,
         limit_bytes=limit,
         free_budget=free,
+        parallel=_with_sharding(parallel or ParallelSpec(), entry),
     )
+
+
+def _with_sharding(spec: ParallelSpec, entry: RegisteredWorkload) -> ParallelSpec:
+    """An FSDP setup shards as the entry's workload does (its own function, or ours): as the probe's result says."""
+    if spec.strategy != "fsdp" or spec.sharding == entry.sharding:
+        return spec
+    return spec.model_copy(update={"sharding": entry.sharding})
 
 
 def _headroom(size: int, headroom: float | int) -> int:
@@ -188,6 +205,7 @@ def key_from_result(result: ProbeResult, entry: RegisteredWorkload) -> ProbeKey 
         schema_version=result.schema_version,
         device=device,
         limit_bytes=result.limit_bytes,
+        parallel=result.workload.parallel,
     )
 
 

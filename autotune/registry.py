@@ -82,6 +82,11 @@ class RegisteredWorkload(BaseModel):
         description="sha256 of the user's source files defining the workload and its model's classes (not torch's "
         "or installed packages'), read when the registry loaded. Part of the request key."
     )
+    sharding: str = Field(
+        default="per-block",
+        description="How an FSDP probe shards the model: per-block, or the workload's own shard function "
+        "(module.qualname). Part of the request key of FSDP probes.",
+    )
 
 
 class _Entry(BaseModel):
@@ -140,6 +145,7 @@ class Registry:
 def register(name: str, entry: Mapping[str, Any], *, where: str = "workloads") -> RegisteredWorkload:
     """Validate one entry and resolve its target. Raises ConfigError naming `where` and `name`."""
     from autotune.fingerprint import registration_digests  # imports torch: only when a registry is really built
+    from autotune.parallel import sharding_name
     from autotune.workload import resolve
 
     if not _NAME.match(name):
@@ -172,6 +178,7 @@ def register(name: str, entry: Mapping[str, Any], *, where: str = "workloads") -
         prefetch=spec.prefetch,
         model_fingerprint=model_fingerprint,
         source_hash=source_hash,
+        sharding=sharding_name(workload.shard),
     )
 
 

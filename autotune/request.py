@@ -65,12 +65,7 @@ class ProbeRequest(BaseModel):
     reshard_after_forward: bool = Field(default=True, description="FSDP: free gathered parameters after forward.")
 
     def parallel_spec(self) -> ParallelSpec:
-        """The parallel setup a rank runs in (FSDP shards over world_size; DDP's rank holds a whole copy)."""
-        if self.parallel == "fsdp":
-            return ParallelSpec(
-                strategy="fsdp", world_size=self.world_size, reshard_after_forward=self.reshard_after_forward
-            )
-        return ParallelSpec(strategy=self.parallel)
+        return parallel_spec(self.parallel, self.world_size, self.reshard_after_forward)
 
     @field_validator("memory", "min_free_memory", mode="before")
     @classmethod
@@ -93,6 +88,16 @@ class ProbeRequest(BaseModel):
         if self.search == "predict" and self.start_batch != 1:
             raise ValueError("start_batch is for search='plain': the predicted search starts from its timeline trials")
         return self
+
+
+def parallel_spec(
+    strategy: Literal["none", "ddp", "fsdp"], world_size: int, reshard_after_forward: bool = True
+) -> ParallelSpec:
+    """The parallel setup a rank runs in: FSDP shards over the world size; a DDP rank holds a whole
+    copy whatever the number of ranks (so neither is in its spec)."""
+    if strategy == "fsdp":
+        return ParallelSpec(strategy="fsdp", world_size=world_size, reshard_after_forward=reshard_after_forward)
+    return ParallelSpec(strategy=strategy)
 
 
 def parse_device(spec: str) -> tuple[str, int]:

@@ -180,6 +180,11 @@ class ParallelSpec(BaseModel):
     )
     world_size: int = Field(default=1, ge=1, description="The ranks FSDP shards over (1 for none and ddp).")
     reshard_after_forward: bool = Field(default=True, description="FSDP: free gathered parameters after forward.")
+    sharding: str = Field(
+        default="per-block",
+        description="FSDP: per-block (fully_shard on each ModuleList item, then the root), or the workload's own "
+        "sharding function as module.qualname.",
+    )
 
 
 class WorkloadRef(BaseModel):

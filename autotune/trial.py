@@ -290,7 +290,9 @@ def _build(workload: Workload, device: ProbeDevice) -> nn.Module:
         with device.active():
             model = workload.build_model().to(device.torch_device)
             # Wrapped as the job wraps it (DDP's buckets, FSDP's shards), inside the counting.
-            return parallel.wrap(model, workload.parallel, device.torch_device, _AUTOCAST.get(workload.precision))
+            return parallel.wrap(
+                model, workload.parallel, device.torch_device, _AUTOCAST.get(workload.precision), workload.shard
+            )
     except Exception as exc:  # classified here; anything but an OOM propagates
         reason = oom.classify(exc)
         if reason is None or reason.kind is not oom.OOMKind.OOM:

@@ -77,6 +77,10 @@ class Workload:
     input_spec: Mapping[str, OptionValue] = field(default_factory=dict)
     # How the job runs the model across ranks (autotune.parallel); set from the probe request.
     parallel: ParallelSpec = field(default_factory=ParallelSpec)
+    # Under --parallel fsdp, the job's own sharding: called with the model (on the device) and the
+    # job's device mesh, it applies `fully_shard` as the job does (its blocks, reshard_after_forward,
+    # mp_policy). None: autotune.parallel.fsdp.shard (per block, then the root).
+    shard: Callable[[nn.Module, Any], Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.optimizer, str):
@@ -87,6 +91,10 @@ class Workload:
             raise WorkloadError(
                 f"optimizer {self.optimizer!r} is neither a name ({', '.join(OPTIMIZERS)}), an Optimizer class "
                 "nor a function of the parameters returning an optimizer"
+            )
+        if self.shard is not None and not callable(self.shard):
+            raise WorkloadError(
+                f"shard {self.shard!r} is not a function: give one of (model, mesh) that calls fully_shard, or None"
             )
         try:
             object.__setattr__(self, "precision", Precision(self.precision))

@@ -4,18 +4,16 @@ its own budget device at the probe's limit."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch.distributed as dist
 
 from autotune.probe import ProbeRequest, run_probe
 from autotune.results import ProbeResult
-from tests.serving import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {"target": "gpt", "device": "cpu", "memory": "128MiB", "headroom": 0, "confirm": False}
@@ -59,52 +57,38 @@ def test_each_setup_answers_exactly_for_its_loop_and_is_keyed_apart(results: dic
     assert abs(fsdp4.breakdown.parameters - none.breakdown.parameters / 4) < none.breakdown.parameters * 0.01
 
 
-def _real_job(tmp_path: Path, result: ProbeResult, strategy: str, world: int, batch: int) -> list[dict]:  # type: ignore[type-arg]
-    job = {
-        "request": {**BASE, "parallel": "none"},
-        "strategy": strategy,
-        "world_size": world,
-        "total_bytes": result.budget_bytes,
-        "limit_bytes": result.limit_bytes,
-        "batch": batch,
-        "micro_steps": result.loop.micro_steps,
-    }
-    path = tmp_path / f"{strategy}-{world}-{batch}.json"
-    path.write_text(json.dumps(job))
-    port = free_port()
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.parallel_run", str(path), str(rank), str(port)],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(world)
-    ]
-    answers = []
-    try:
-        for rank in ranks:
-            out, err = rank.communicate(timeout=120)
-            assert rank.returncode == 0, err[-2000:]
-            answers.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for rank in ranks:
-            rank.kill()
-    return answers
+def _bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_parallel", ROOT / "bench" / "parallel.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _real_job(result: ProbeResult, strategy: str, world: int, batch: int) -> list[dict]:  # type: ignore[type-arg]
+    return _bench().real_job(  # type: ignore[no-any-return]
+        BASE,
+        strategy,
+        world,
+        batch,
+        total_bytes=result.budget_bytes,
+        limit_bytes=result.limit_bytes,
+        micro_steps=result.loop.micro_steps,
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize(("key", "strategy", "world"), [("fsdp2", "fsdp", 2), ("fsdp4", "fsdp", 4), ("ddp", "ddp", 2)])
 def test_the_one_device_answer_holds_on_every_rank_of_a_real_job_and_one_more_does_not(
-    tmp_path: Path, results: dict[str, ProbeResult], key: str, strategy: str, world: int
+    results: dict[str, ProbeResult], key: str, strategy: str, world: int
 ) -> None:
     result = results[key]
     answer = result.max_micro_batch
-    at = _real_job(tmp_path, result, strategy, world, answer)
+    at = _real_job(result, strategy, world, answer)
     assert all(r["fits"] for r in at), at
     # The simulated rank's peak is each real rank's, to the byte.
     simulated = result.trial_at_answer
     assert simulated is not None
     assert {r["peak"] for r in at} == {simulated.peak_allocated_bytes}
-    over = _real_job(tmp_path, result, strategy, world, answer + 1)
+    over = _real_job(result, strategy, world, answer + 1)
     assert not all(r["fits"] for r in over), over

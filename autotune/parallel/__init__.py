@@ -15,14 +15,17 @@ probing in-process) is refused: its group must not be replaced.
 from __future__ import annotations
 
 import atexit
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from autotune.errors import ConfigError
+from autotune.errors import ConfigError, WorkloadError
 from autotune.results import ParallelSpec
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
+
+DEFAULT_SHARDING = "per-block"
 
 _made: list[tuple[ParallelSpec, str, Any]] = []  # the group this module made: (spec, device type, mesh)
 
@@ -64,9 +67,25 @@ def _world(spec: ParallelSpec, device: torch.device) -> Any:
     return mesh
 
 
-def wrap(model: nn.Module, spec: ParallelSpec, device: torch.device, param_dtype: torch.dtype | None) -> nn.Module:
+def sharding_name(shard: Callable[..., Any] | None) -> str:
+    """How a spec names a sharding: `per-block` (ours), or the job's function as module.qualname."""
+    if shard is None:
+        return DEFAULT_SHARDING
+    module = getattr(shard, "__module__", None) or "?"
+    name = getattr(shard, "__qualname__", None) or type(shard).__qualname__
+    return f"{module}.{name}"
+
+
+def wrap(
+    model: nn.Module,
+    spec: ParallelSpec,
+    device: torch.device,
+    param_dtype: torch.dtype | None,
+    shard: Callable[[nn.Module, Any], Any] | None = None,
+) -> nn.Module:
     """`model` (already on `device`) as the job runs it under `spec`; call inside the device's
-    counting, so that buckets, shards and gathered parameters are counted."""
+    counting, so that buckets, shards and gathered parameters are counted. `shard` is the job's own
+    FSDP sharding function (the workload's), else ours."""
     if spec.strategy == "none":
         return model
     mesh = _world(spec, device)
@@ -75,9 +94,25 @@ def wrap(model: nn.Module, spec: ParallelSpec, device: torch.device, param_dtype
 
         ids = [device.index or 0] if device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=ids)
-    from autotune.parallel.fsdp import shard
+    from torch import nn
 
-    return shard(model, mesh, reshard_after_forward=spec.reshard_after_forward, param_dtype=param_dtype)
+    from autotune.parallel import fsdp
+
+    if shard is None:
+        return fsdp.shard(model, mesh, reshard_after_forward=spec.reshard_after_forward, param_dtype=param_dtype)
+    returned = shard(model, mesh)
+    sharded = model if returned is None else returned
+    if not isinstance(sharded, nn.Module):
+        raise WorkloadError(
+            f"the shard function {spec.sharding} returned {type(returned).__name__}: return the model, or None "
+            "when it shards in place"
+        )
+    if not fsdp.is_sharded(sharded):
+        raise WorkloadError(
+            f"the shard function {spec.sharding} left the model unsharded (no parameter is a DTensor): call "
+            "torch.distributed.fsdp.fully_shard(module, mesh=mesh) on its blocks and on the root"
+        )
+    return sharded
 
 
 def accumulating_context(model: nn.Module, last: bool) -> Any:
@@ -96,8 +131,9 @@ def describe(spec: ParallelSpec) -> str:
     if spec.strategy == "ddp":
         return "per rank of a DDP job (a one-rank process group: its gradient buckets are measured)"
     if spec.strategy == "fsdp":
+        how = "" if spec.sharding == DEFAULT_SHARDING else f", sharded by {spec.sharding}"
         return (
-            f"per rank of a {spec.world_size}-rank FSDP2 job (simulated on one device: rank 0 against a fake "
+            f"per rank of a {spec.world_size}-rank FSDP2 job{how} (simulated on one device: rank 0 against a fake "
             "process group, its shards and gathered parameters counted)"
         )
     return ""

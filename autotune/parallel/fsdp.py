@@ -11,6 +11,8 @@ Default sharding, as most jobs do it: `fully_shard` on every repeated block (the
 `nn.ModuleList` in the model: transformer layers), then on the root; `reshard_after_forward`
 (True: ZeRO-3, a block's parameters are gathered again for backward); a mixed-precision policy
 from the workload's precision (parameters in bf16/fp16 for compute, gradients reduced in fp32).
+A job that shards otherwise gives its own function (`Workload.shard`, called with the model and
+the mesh: its blocks, its policy); its name is in the result's `parallel.sharding`.
 """
 
 from __future__ import annotations
@@ -36,6 +38,13 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     if found:
         return found
     return [child for child in model.children() if any(True for _ in child.parameters())]
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 sharded any of `model`'s parameters (they are DTensors then)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def shard(

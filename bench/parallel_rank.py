@@ -1,11 +1,17 @@
-"""One rank of a real multi-process job on CPU (gloo), for the truth of the one-device simulation.
+"""One rank of a real multi-process job on CPU (gloo): the truth for the one-device simulation.
 
-`python -m tests.parallel_run JOB_JSON RANK PORT`: joins a gloo group of the job's world size on
-127.0.0.1, builds the workload on a budget device at the probe's limit, wraps it as
-autotune.parallel does (FSDP2 over the real group's mesh, or DDP), runs the probe's loop at the
-micro-batch, and prints {"rank", "fits", "peak", "message"} as its last line. Every rank builds
-the same model from the same seed and the same batch shapes, so ranks run out of memory at the
-same allocation, before the next collective: none is left waiting (the caller has a timeout too).
+    python bench/parallel_rank.py JOB_JSON RANK PORT
+
+Joins a gloo group of the job's world size on 127.0.0.1, builds the workload on a budget device at
+the probe's limit, wraps it as autotune.parallel does (FSDP2 over the real group's mesh with the
+workload's own sharding function or ours, or DDP), runs the probe's loop at the micro-batch, and
+prints {"rank", "fits", "peak", "message"} as its last line. Every rank builds the same model from
+the same seed and the same batch shapes, so ranks run out of memory at the same allocation, before
+the next collective: none is left waiting (the caller has a timeout too).
+
+JOB_JSON: {"request": ProbeRequest fields, "strategy": "ddp"|"fsdp", "world_size", "total_bytes",
+"limit_bytes", "batch", "micro_steps", "reshard_after_forward"}. `bench/parallel.py` writes it
+(`real_job`), for the benchmark and for tests/test_parallel.py.
 """
 
 from __future__ import annotations
@@ -41,7 +47,11 @@ def main() -> None:
         if job["strategy"] == "fsdp":
             from torch.distributed.device_mesh import init_device_mesh
 
-            model = shard(model, init_device_mesh("cpu", (world,)))
+            mesh = init_device_mesh("cpu", (world,))
+            if workload.shard is not None:
+                workload.shard(model, mesh)
+            else:
+                shard(model, mesh, reshard_after_forward=job.get("reshard_after_forward", True))
         else:
             from torch.nn.parallel import DistributedDataParallel
 
