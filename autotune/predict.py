@@ -373,6 +373,10 @@ def predicted_search(
         )
     elif same_ops(timelines[ladder[1]], timelines[ladder[2]]):
         pair = (timelines[ladder[1]], timelines[ladder[2]])
+    elif same_ops(timelines[ladder[0]], timelines[ladder[2]]):
+        # The first trial (ladder[1]) ran once-only work: FSDP2 initializes lazily in the first
+        # forward of a model that later trials reuse.
+        pair = (timelines[ladder[0]], timelines[ladder[2]])
     else:
         reason = (
             f"op sequences differ between batch {ladder[0]}, {ladder[1]} and {ladder[2]}: "

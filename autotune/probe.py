@@ -127,7 +127,11 @@ def device_info(device: ProbeDevice) -> DeviceInfo:
 
 
 def load_workload(request: ProbeRequest) -> Workload:
-    workload = resolve(request.target, request.options)
+    return as_requested(resolve(request.target, request.options), request)
+
+
+def as_requested(workload: Workload, request: ProbeRequest) -> Workload:
+    """`workload` with the request's precision, optimizer and parallel setup."""
     workload = workload.with_overrides(precision=request.precision, optimizer=request.optimizer)
     spec = request.parallel_spec()
     if spec.strategy == "fsdp" and workload.shard is not None:
@@ -180,10 +184,7 @@ def run_probe(
     loop for the runner (a framework's), run instead of the workload's step. `on_progress`: told
     as each micro-step of a trial begins (every one: throttle it for a pipe)."""
     started = time.perf_counter()
-    if workload is None:
-        workload = load_workload(request)
-    else:
-        workload = workload.with_overrides(precision=request.precision, optimizer=request.optimizer)
+    workload = load_workload(request) if workload is None else as_requested(workload, request)
     device, policy, budget, room = open_device(request)
     info = device_info(device)
     key = result_fingerprint(workload, request, info, device.limit_bytes)

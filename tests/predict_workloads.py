@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -44,3 +46,23 @@ def branchy() -> Workload:
 def loopy() -> Workload:
     """An op per bit of the batch size: 2, 4 and 8 all run different sequences."""
     return _workload(lambda b: b.bit_length())
+
+
+class _WarmingNet(_Net):
+    """One more op in every forward of the process's first trial (two steps of one micro-step; the
+    fingerprint's forward on the meta device aside), as FSDP2's first step runs once-only work."""
+
+    forwards = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "meta":
+            _WarmingNet.forwards += 1
+            if _WarmingNet.forwards <= 2:
+                x = x * 1.0
+        return self.inner(x)
+
+
+def warms_up() -> Workload:
+    """The first timeline trial (batch 4) differs from the later ones at 2 and 8, which agree."""
+    _WarmingNet.forwards = 0
+    return dataclasses.replace(_workload(None), build_model=lambda: _WarmingNet(lambda b: 0))

@@ -124,6 +124,16 @@ def test_differing_first_pair_predicts_from_the_next_pair() -> None:
     assert result.max_micro_batch == _probe("branchy", search="plain").max_micro_batch
 
 
+def test_a_first_trial_with_once_only_work_predicts_from_the_other_two() -> None:
+    result = _probe("warms_up")
+    # The first loop searched is one micro-step's: its first trial is the process's first.
+    (prediction,) = [a.prediction for a in result.answers if a.loop.micro_steps == 1]
+    assert prediction is not None
+    assert prediction.probe_batches == [4, 2, 8] and prediction.fallback_reason is None
+    assert prediction.exact is True
+    _assert_verified(result)
+
+
 def test_op_sequences_that_always_differ_fall_back_to_the_plain_search() -> None:
     result = _probe("loopy")
     prediction = result.prediction
