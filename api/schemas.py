@@ -342,6 +342,7 @@ class PlanView(BaseModel):
     fingerprint: str = Field(description="The stored result's fingerprint.")
     max_micro_batch: int
     capped: bool = Field(description="The probe's cap fitted: a larger micro-batch may fit too.")
+    parallel: ParallelSpec = Field(description="What a rank was probed in: the answer is per rank of such a job.")
     plan: Plan
 
 

@@ -307,6 +307,7 @@ class Service:
                     fingerprint=result.fingerprint,
                     max_micro_batch=result.max_micro_batch,
                     capped=result.capped,
+                    parallel=result.workload.parallel,
                     plan=made,
                 )
                 .model_dump_json()

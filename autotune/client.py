@@ -102,10 +102,14 @@ class AutotuneClient:
         headroom: float | str | None = None,
         precision: str | None = None,
         optimizer: str | None = None,
+        parallel: str = "none",
+        reshard_after_forward: bool = True,
         timeout: float = 900.0,
         fallback: Fallback = "error",
     ) -> Plan:
         """The plan for `effective_batch` samples per optimizer step over `world_size` ranks.
+        `parallel`: how the job runs the model across its ranks (none, ddp, or fsdp: FSDP2 over
+        `world_size` ranks); the micro-batch is per rank of such a job.
 
         Waits up to `timeout` seconds for a probe the service runs. Raises AuthError,
         ServiceError, ServiceUnavailableError, or the ProbeError the probe failed with."""
@@ -116,13 +120,15 @@ class AutotuneClient:
         params["policy"] = policy.value
         options = {"device": device, "memory": memory, "headroom": headroom, "precision": precision}
         params.update({k: v for k, v in {**options, "optimizer": optimizer}.items() if v is not None})
+        params.update(_parallel_fields(parallel, reshard_after_forward))
         try:
             made = self._plan_from_service(params, timeout)
         except _Unreachable as exc:
             if fallback == "error":
                 raise
             log.warning("autotune service unavailable (%s): probing %s in this job", exc, workload)
-            made = self._local_plan(workload, effective_batch, world_size, policy, options, optimizer)
+            local = {**options, "optimizer": optimizer, **_parallel_fields(parallel, reshard_after_forward)}
+            made = self._local_plan(workload, effective_batch, world_size, policy, local)
             self.last_source = "local"
             return made
         self.last_source = "service"
@@ -138,10 +144,14 @@ class AutotuneClient:
         budget: str | None = None,
         precision: str | None = None,
         optimizer: str | None = None,
+        parallel: str = "none",
+        world_size: int = 1,
+        reshard_after_forward: bool = True,
         refresh: bool = False,
         timeout: float = 900.0,
     ) -> ProbeResult:
-        """Ask the service to probe `workload` (or return its stored result) and wait for it."""
+        """Ask the service to probe `workload` (or return its stored result) and wait for it;
+        `parallel` and `world_size` as for `plan`."""
         body = {
             k: v
             for k, v in {
@@ -155,6 +165,9 @@ class AutotuneClient:
             }.items()
             if v is not None
         }
+        body.update(_parallel_fields(parallel, reshard_after_forward))
+        if world_size != 1:
+            body["world_size"] = world_size
         body["refresh"] = refresh
         deadline = time.monotonic() + timeout
         answer = self._json(self._send("POST", "/v1/probes", json=body))
@@ -190,10 +203,13 @@ class AutotuneClient:
         headroom: float | str | None = None,
         precision: str | None = None,
         optimizer: str | None = None,
+        parallel: str = "none",
+        world_size: int = 1,
+        reshard_after_forward: bool = True,
     ) -> dict[str, Any]:
         """Tell the service that a run of its plan ran out of memory at `micro_batch` (the query
         as for `plan`): it lowers the stored answer below that size for later queries."""
-        body = {
+        body: dict[str, Any] = {
             "workload": workload,
             "micro_batch": micro_batch,
             "accumulates": accumulates,
@@ -203,6 +219,8 @@ class AutotuneClient:
             "headroom": headroom,
             "precision": precision,
             "optimizer": optimizer,
+            "world_size": world_size if world_size != 1 else None,
+            **_parallel_fields(parallel, reshard_after_forward),
         }
         return self._json(self._send("POST", "/v1/run-failures", json={k: v for k, v in body.items() if v is not None}))
 
@@ -266,7 +284,6 @@ class AutotuneClient:
         world_size: int,
         policy: Policy,
         options: dict[str, Any],
-        optimizer: str | None,
     ) -> Plan:
         from autotune.confirm import probe_and_confirm
         from autotune.probe import ProbeRequest
@@ -283,7 +300,9 @@ class AutotuneClient:
                 memory=options["memory"],
                 headroom=options["headroom"],
                 precision=options["precision"],
-                optimizer=optimizer,  # type: ignore[arg-type]  # validated by ProbeRequest
+                optimizer=options["optimizer"],
+                parallel=options.get("parallel", "none"),
+                reshard_after_forward=options.get("reshard_after_forward", True),
                 steps=entry.steps,
                 max_batch=entry.max_batch,
                 granularity=entry.granularity,
@@ -400,3 +419,14 @@ def publish_result(url: str, result: ProbeResult, token: str | None = None) -> s
     """`autotune probe --publish URL`: store `result` on the service at `url`."""
     with AutotuneClient(url, token=token) as client:
         return client.publish(result)
+
+
+def _parallel_fields(parallel: str, reshard_after_forward: bool) -> dict[str, Any]:
+    """The query's parallel fields, only where they differ from a plain job's (the service's
+    defaults): a plain query stays as it was."""
+    fields: dict[str, Any] = {}
+    if parallel != "none":
+        fields["parallel"] = parallel
+    if not reshard_after_forward:
+        fields["reshard_after_forward"] = False
+    return fields

@@ -82,6 +82,30 @@ def test_probe_then_poll_then_plan(server: Server, client: httpx.Client) -> None
     assert finished_probe(client, refreshed.json()["id"])["status"] == "succeeded"
 
 
+def test_a_parallel_job_is_probed_and_planned_per_rank_of_its_setup(client: httpx.Client) -> None:
+    base = {"workload": "tiny", "effective_batch": 64, "wait": 60}
+    refused = client.get("/v1/plan", params={**base, "parallel": "fsdp"})
+    assert refused.status_code == 422 and "world_size" in refused.text
+    views = {
+        name: client.get("/v1/plan", params={**base, **query})
+        for name, query in (("plain", {}), ("ddp", {"parallel": "ddp", "world_size": 2}),
+                            ("fsdp", {"parallel": "fsdp", "world_size": 2, "reshard_after_forward": "false"}))
+    }  # fmt: skip
+    assert all(v.status_code == 200 for v in views.values()), {k: v.text for k, v in views.items()}
+    body = {name: view.json() for name, view in views.items()}
+    assert body["plain"]["parallel"]["strategy"] == "none"
+    assert body["ddp"]["parallel"]["strategy"] == "ddp"
+    assert body["fsdp"]["parallel"] == {
+        "strategy": "fsdp",
+        "world_size": 2,
+        "reshard_after_forward": False,
+        "sharding": "per-block",
+    }
+    # Each setup its own probe and result: no setup answers for another.
+    assert len({b["fingerprint"] for b in body.values()}) == 3
+    assert body["ddp"]["plan"]["world_size"] == 2
+
+
 def test_a_plan_with_nothing_stored_starts_a_probe_and_can_wait_for_it(server: Server, client: httpx.Client) -> None:
     params = {"workload": "tiny", "effective_batch": 32, "memory": "3MiB"}
     pending = client.get("/v1/plan", params=params)
