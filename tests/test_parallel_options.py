@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 import textwrap
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -73,13 +75,22 @@ def broken():
     return _workload(shard_nothing)
 """
 
-BASE = {"device": "cpu", "memory": "48MiB", "headroom": 0, "confirm": False, "parallel": "fsdp", "world_size": 4}
+BASE = {"device": "cpu", "memory": "24MiB", "headroom": 0, "confirm": False, "parallel": "fsdp", "world_size": 4}
+
+
+def _readme_shard_function() -> str:
+    """The README's example of a job's own sharding function (its `def shard_model`)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Parallel jobs", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    return block[block.index("def shard_model") : block.index("\nworkload =")]
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     folder = tmp_path_factory.mktemp("job")
-    (folder / "sharded_job.py").write_text(textwrap.dedent(JOB))
+    readme = f"\n\n{_readme_shard_function()}\n\ndef readme():\n    return _workload(shard_model)\n"
+    (folder / "sharded_job.py").write_text(textwrap.dedent(JOB) + readme)
     sys.path.insert(0, str(folder))
     try:
         yield "sharded_job"
@@ -104,7 +115,8 @@ def _peak(request: ProbeRequest, batch: int) -> int:
 
 @pytest.fixture(scope="module")
 def probed(job: str) -> dict[str, ProbeResult]:
-    return {name: run_probe(ProbeRequest(target=f"{job}:{name}", **BASE)) for name in ("per_block", "root")}
+    names = ("per_block", "root", "readme")
+    return {name: run_probe(ProbeRequest(target=f"{job}:{name}", **BASE)) for name in names}
 
 
 def test_the_jobs_own_sharding_is_probed_and_named(probed: dict[str, ProbeResult]) -> None:
@@ -117,6 +129,12 @@ def test_the_jobs_own_sharding_is_probed_and_named(probed: dict[str, ProbeResult
     tried = {(t.batch, t.micro_steps): t.fits for t in theirs.evidence()}
     assert tried[(theirs.max_micro_batch, theirs.loop.micro_steps)] is True
     assert tried[(theirs.max_micro_batch + 1, theirs.loop.micro_steps)] is False
+
+
+def test_the_readmes_sharding_function_keeps_gathered_blocks_for_backward(probed: dict[str, ProbeResult]) -> None:
+    readme, ours = probed["readme"], probed["per_block"]
+    assert readme.workload.parallel.sharding == "sharded_job.shard_model"
+    assert readme.max_micro_batch < ours.max_micro_batch
 
 
 def test_a_sharding_function_that_shards_nothing_is_named(job: str) -> None:
@@ -142,7 +160,7 @@ def test_the_request_key_holds_the_parallel_setup_and_matches_the_results(
 ) -> None:
     entry = register("blocks", {"target": f"{job}:root"})
     assert entry.sharding == "sharded_job.shard_root"
-    device = DeviceKey(kind="cpu-budget", total_bytes=48 * 2**20)
+    device = DeviceKey(kind="cpu-budget", total_bytes=24 * 2**20)
 
     def key(spec: ParallelSpec | None) -> str:
         return key_for_request(entry, device, budget="total", memory=None, headroom=0, parallel=spec).digest()

@@ -255,6 +255,21 @@ def test_the_service_throughput_is_the_stored_measurement() -> None:
     _quoted(f"{rate[2] / rate[1]:.2f}× with 2 workers, {rate[4] / rate[1]:.2f}× with 4")
 
 
+# The parallel truth table -------------------------------------------------------------------------
+def test_the_parallel_truth_table_is_the_stored_measurement() -> None:
+    spec = importlib.util.spec_from_file_location("bench_parallel", ROOT / "bench" / "parallel.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    stored = json.loads((ROOT / "bench" / "results" / "parallel.json").read_text())
+    assert stored["date"].startswith("2026-11-24") and stored["machine"]["cpus"] == 2
+    assert all(row["holds"] and row["real_peaks"] == [row["simulated_peak"]] for row in stored["rows"])
+    table = bench.markdown(stored["rows"], stored["unsharded_answer"]).split("\n\n")[0]
+    assert table in README, "the README's parallel table is not bench/results/parallel.json's"
+    _quoted(f"One process of the model, without any parallelism, answers {stored['unsharded_answer']}")
+    _quoted(f"Measured {stored['date'][:10]} on the 2-core CPU VM, torch {stored['machine']['torch']}")
+
+
 # Accelerate's own accumulation --------------------------------------------------------------------
 def test_accelerates_scaling_of_a_short_window_and_of_autotunes_weights() -> None:
     accelerate = pytest.importorskip("accelerate")
