@@ -100,6 +100,7 @@ def _model_lookup(
             headroom=room,
             precision=query.precision,
             optimizer=query.optimizer,
+            parallel=query.parallel_spec(),
         )
         digest = digest or key.digest()
         cached = svc.results.get(key.digest())
@@ -108,9 +109,16 @@ def _model_lookup(
     limit = f", memory {format_bytes(group.memory)}" if group.memory is not None else ""
     why = (
         f"results are stored for {models[0].name}, but none for workload {query.workload!r} with this "
-        f"precision, optimizer, headroom{limit}: probe it on a node with that GPU model, or publish one"
+        f"precision, optimizer, headroom{limit}{_setup(query)}: probe it on a node with that GPU model, or publish one"
     )
     return models[0].name or group.device, digest, None, why
+
+
+def _setup(query: MixedPlanQuery) -> str:
+    spec = query.parallel_spec()
+    if spec.strategy == "none":
+        return ""
+    return f", parallel {spec.strategy}" + (f" over {spec.world_size} ranks" if spec.strategy == "fsdp" else "")
 
 
 async def _lookup(
@@ -127,6 +135,7 @@ async def _lookup(
             headroom=group.headroom,
             precision=query.precision,
             optimizer=query.optimizer,
+            parallel=query.parallel_spec(),
         )
     except UnknownWorkloadError:
         raise

@@ -255,6 +255,23 @@ class MixedPlanQuery(BaseModel):
     policy: Policy = Field(default=Policy.FEWEST_STEPS, description="fewest-steps, or exact (mode uniform only).")
     precision: Literal["fp32", "bf16", "fp16"] | None = None
     optimizer: Literal["sgd", "adam", "adamw"] | None = None
+    parallel: Literal["none", "ddp", "fsdp"] = Field(
+        default="none",
+        description="As in the plan query; FSDP shards over every rank of every group (their sum is its world size).",
+    )
+    reshard_after_forward: bool = Field(default=True, description="As in the plan query.")
+
+    @model_validator(mode="after")
+    def _fsdp_has_ranks(self) -> Any:
+        if self.parallel == "fsdp" and self.world_size() < 2:
+            raise ValueError("parallel=fsdp shards over the ranks of all groups: give 2 or more ranks in all")
+        return self
+
+    def world_size(self) -> int:
+        return sum(group.ranks for group in self.groups)
+
+    def parallel_spec(self) -> ParallelSpec:
+        return parallel_spec(self.parallel, self.world_size(), self.reshard_after_forward)
 
 
 class RunFailureReport(_ParallelFields, _MemoryFields):

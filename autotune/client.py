@@ -37,6 +37,7 @@ import httpx
 
 from autotune import errors
 from autotune.accumulate import ShrinkEvent
+from autotune.mixed import MixedPlan
 from autotune.plan import Plan, Policy, parse_policy
 from autotune.results import ProbeResult
 
@@ -185,6 +186,38 @@ class AutotuneClient:
         if answer.get("status") == "failed":
             raise _probe_error(answer)
         return ProbeResult.model_validate(answer["result"])
+
+    def plan_mixed(
+        self,
+        workload: str,
+        effective_batch: int,
+        groups: list[dict[str, Any]],
+        *,
+        mode: str = "per-model",
+        policy: Policy | str = Policy.FEWEST_STEPS,
+        precision: str | None = None,
+        optimizer: str | None = None,
+        parallel: str = "none",
+        reshard_after_forward: bool = True,
+    ) -> MixedPlan:
+        """One plan for a job whose ranks span GPU models (`POST /v1/plan/mixed`), from the results
+        stored for each model: `groups` are {"device", "ranks"[, "memory", "headroom"]}, ranks
+        numbered in that order (`MixedPlan.for_rank(rank)` is what a rank runs). A group without a
+        stored result is a ServiceError (409) naming it and how to get one: no probe is started."""
+        body: dict[str, Any] = {
+            "workload": workload,
+            "effective_batch": effective_batch,
+            "groups": groups,
+            "mode": mode,
+            "policy": parse_policy(policy).value,
+            **{k: v for k, v in {"precision": precision, "optimizer": optimizer}.items() if v is not None},
+            **_parallel_fields(parallel, reshard_after_forward),
+        }
+        response = self._send("POST", "/v1/plan/mixed", json=body)
+        answer = self._json(response)
+        if response.status_code == 409:
+            raise errors.ServiceError(str(answer.get("detail", "no stored result")), status_code=409)
+        return MixedPlan.model_validate(answer["plan"])
 
     def publish(self, result: ProbeResult) -> str:
         """Store `result` on the service (`POST /v1/results`); returns its fingerprint."""

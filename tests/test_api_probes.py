@@ -106,6 +106,21 @@ def test_a_parallel_job_is_probed_and_planned_per_rank_of_its_setup(client: http
     assert body["ddp"]["plan"]["world_size"] == 2
 
 
+def test_the_client_plans_a_mixed_world_from_stored_results(server: Server) -> None:
+    from autotune.client import AutotuneClient
+    from autotune.errors import ServiceError
+
+    with AutotuneClient(server.url) as autotune:
+        single = autotune.plan("tiny", 16)  # stored by then, or probed now
+        groups = [{"device": "cpu", "ranks": 2}, {"device": "cpu", "ranks": 1, "memory": "4MiB"}]
+        made = autotune.plan_mixed("tiny", 96, groups)
+        assert made.world_size == 3 and made.achieved_effective_batch == 96
+        assert made.for_rank(2).micro_batches[0] <= single.micro_batch
+        with pytest.raises(ServiceError, match=r"groups\[0\] \(cpu\)") as missing:
+            autotune.plan_mixed("tiny", 96, groups, parallel="fsdp")  # over 3 ranks: none stored
+        assert missing.value.status_code == 409
+
+
 def test_a_plan_with_nothing_stored_starts_a_probe_and_can_wait_for_it(server: Server, client: httpx.Client) -> None:
     params = {"workload": "tiny", "effective_batch": 32, "memory": "3MiB"}
     pending = client.get("/v1/plan", params=params)

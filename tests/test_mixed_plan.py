@@ -334,6 +334,16 @@ def test_the_service_names_the_groups_it_cannot_answer(tmp_path: Path) -> None:
         assert missing["missing"][0]["request_key"] is None and "--publish" in missing["missing"][0]["reason"]
         assert missing["missing"][1]["request_key"] and "GET /v1/plan" in missing["missing"][1]["reason"]
 
+        # A parallel job's ranks hold something else: results of plain jobs do not answer it.
+        a100 = {"device": "A100-SXM4-40GB", "ranks": 4}
+        answer = await client.post("/v1/plan/mixed", json={**query(h100, a100), "parallel": "fsdp"})
+        assert answer.status_code == 409, answer.text
+        assert [m["index"] for m in answer.json()["missing"]] == [0, 1]
+        assert "parallel fsdp over 6 ranks" in answer.json()["missing"][1]["reason"]
+        answer = await client.post(
+            "/v1/plan/mixed", json={**query({"device": "cuda:0", "ranks": 1}), "parallel": "fsdp"}
+        )
+        assert answer.status_code == 422 and "2 or more ranks" in answer.text
         answer = await client.post("/v1/plan/mixed", json=query(h100, {"device": "cuda:3", "ranks": 1}))
         assert (answer.status_code, answer.json()["code"]) == (404, "no_such_device")
         assert answer.json()["detail"].startswith("groups[1] (cuda:3): no device cuda:3")
