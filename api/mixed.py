@@ -191,6 +191,7 @@ async def answer(svc: Service, query: MixedPlanQuery) -> MixedPlanView | MixedPl
             f"effective batch {query.effective_batch} is less than the world size {world} (the groups' ranks): "
             f"every rank needs at least one sample per optimizer step"
         )
+    query.parallel_spec()  # FSDP over one rank: refused once, not per group
     names = _names(query.groups)
     found: list[_Found] = []
     missing: list[MissingGroup] = []

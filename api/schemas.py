@@ -19,7 +19,7 @@ import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
 from autotune.errors import ConfigError
 from autotune.mixed import MixedPlan, Mode
@@ -158,13 +158,11 @@ class _ParallelFields(BaseModel):
         default=True, description="FSDP with autotune's per-block sharding: free gathered parameters after forward."
     )
 
-    @model_validator(mode="after")
-    def _fsdp_has_ranks(self) -> Any:
-        if self.parallel == "fsdp" and self.world_size < 2:
-            raise ValueError("parallel=fsdp shards over world_size ranks: give world_size 2 or more")
-        return self
-
     def parallel_spec(self) -> ParallelSpec:
+        """Raises ConfigError (422) for FSDP over one rank: a rule across fields, which the
+        schema cannot state."""
+        if self.parallel == "fsdp" and self.world_size < 2:
+            raise ConfigError("parallel=fsdp shards over world_size ranks: give world_size 2 or more")
         return parallel_spec(self.parallel, self.world_size, self.reshard_after_forward)
 
 
@@ -261,16 +259,13 @@ class MixedPlanQuery(BaseModel):
     )
     reshard_after_forward: bool = Field(default=True, description="As in the plan query.")
 
-    @model_validator(mode="after")
-    def _fsdp_has_ranks(self) -> Any:
-        if self.parallel == "fsdp" and self.world_size() < 2:
-            raise ValueError("parallel=fsdp shards over the ranks of all groups: give 2 or more ranks in all")
-        return self
-
     def world_size(self) -> int:
         return sum(group.ranks for group in self.groups)
 
     def parallel_spec(self) -> ParallelSpec:
+        """Raises ConfigError (422) for FSDP over one rank in all."""
+        if self.parallel == "fsdp" and self.world_size() < 2:
+            raise ConfigError("parallel=fsdp shards over the ranks of all groups: give 2 or more ranks in all")
         return parallel_spec(self.parallel, self.world_size(), self.reshard_after_forward)
 
 

@@ -4,7 +4,7 @@ hooks module (`hooks = "tests.contract_checks"`).
 `positive_data_acceptance` expects a schema-valid request to be accepted (or refused as 401, 403,
 404, 409, 429 or 5xx). Five operations have rules that no JSON Schema can state: headroom against
 memory, memory against the device (or AUTOTUNE_MAX_CPU_MEMORY), an effective batch against the
-world size and the stored answer, a GPU model's name that matches several (a mixed plan's group),
+world size and the stored answer, FSDP over one rank, a GPU model's name that matches several (a mixed plan's group),
 and a published result's fields against each other and against the registered workload. A
 schema-valid request that breaks one of them is a 422 whose `detail` is a message (or, for a
 published result, entries with no `input`: the rule, not a field). The test allows 422 in

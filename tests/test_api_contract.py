@@ -42,7 +42,8 @@ The configuration (a schemathesis.toml the test writes):
 - `positive_data_acceptance` also accepts 422 for the five operations that have rules no JSON
   Schema can state (GET /v1/plan, POST /v1/plan/mixed, POST /v1/probes, POST /v1/run-failures,
   POST /v1/results): headroom against memory, memory against the device or
-  AUTOTUNE_MAX_CPU_MEMORY, an effective batch against the world size and the stored answer, a GPU
+  AUTOTUNE_MAX_CPU_MEMORY, an effective batch against the world size and the stored answer, FSDP
+  over one rank, a GPU
   model's name that matches several, a published result's fields against each other and against
   the registered workload. `schema_valid_is_field_valid` then holds those 422s
   to a rule, not a field.
