@@ -44,7 +44,14 @@ class ResultCache:
 
     def put(self, key: str, stored: StoredResult) -> Cached:
         with self._lock:
-            entry = Cached(stored=stored, version=next(self._versions))
+            current = self._entries.get(key)
+            # The same result stored again (a worker caches its probe's result before the store
+            # records it, with a later time) keeps its version: the plans made from it still hold.
+            if current is not None and _identity(current.stored) == _identity(stored):
+                version = current.version
+            else:
+                version = next(self._versions)
+            entry = Cached(stored=stored, version=version)
             self._entries[key] = entry
             return entry
 
@@ -54,6 +61,13 @@ class ResultCache:
     def items(self) -> list[tuple[str, Cached]]:
         """Every request key and its result (a copy: the refresher may add entries meanwhile)."""
         return list(self._entries.items())
+
+
+def _identity(stored: StoredResult) -> tuple[object, ...]:
+    """What tells one result from another for the same key: a new probe (its creation time) or
+    a lowering by run failures; not when, or by whom, it was stored."""
+    result = stored.result
+    return (result.fingerprint, result.created_at, result.max_micro_batch, len(result.run_failures))
 
 
 class PlanCache:

@@ -7,18 +7,20 @@ import asyncio
 import gc
 import time
 import tracemalloc
+from datetime import timedelta
 from pathlib import Path
 
 import httpx
 from starlette.requests import Request
 
 from api import create_app, v1
-from api.cache import PlotCache
+from api.cache import PlotCache, ResultCache
 from api.schemas import PlanQuery
 from autotune.plot import render_plot
 from autotune.probe import ProbeRequest, run_probe
 from autotune.results import ProbeResult, RunFailure
 from autotune.settings import Settings
+from autotune.store import StoredResult
 from tests.serving import WORKLOADS_TOML, make_result
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -78,6 +80,23 @@ def test_a_changed_result_is_drawn_again_and_the_cache_is_bounded() -> None:
     asyncio.run(draw_all())
     assert cache.stats.renders == 4
     assert len(cache) == 2
+
+
+def test_the_same_result_stored_again_keeps_its_version_and_a_new_one_does_not() -> None:
+    """A worker caches its probe's result, then the store records it a moment later; the refresher
+    reads that record back. The plans made in between must stay the result's plans (the status page
+    lists them by version): only a new probe or a lowering is a new version."""
+    result = make_result(max_micro_batch=12)
+    cache = ResultCache()
+    first = cache.put("k", StoredResult(result=result, source="probe", stored_at=result.created_at))
+    later = result.created_at + timedelta(milliseconds=3)
+    again = cache.put("k", StoredResult(result=result.model_copy(deep=True), source="probe", stored_at=later))
+    assert again.version == first.version and again.stored.stored_at == later
+    lowered = result.lowered_by_run(RunFailure(micro_batch=12, accumulates=True))
+    assert cache.put("k", StoredResult(result=lowered, source="probe", stored_at=later)).version > first.version
+    newer = make_result(max_micro_batch=12)  # probed again: another created_at
+    assert cache.put("k", StoredResult(result=newer, source="probe", stored_at=later)).version > first.version + 1
+    assert cache.put("other", StoredResult(result=result, source="probe", stored_at=later)).version != first.version
 
 
 def _request(query: bytes) -> Request:
