@@ -173,7 +173,7 @@ class BudgetDevice:
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count tensors that were created outside the mode (parameters, buffers, inputs)."""
         for tensor in tensors:
-            for storage in _storages(tensor):
+            for storage in local_storages(tensor):
                 self._counter.add(storage)
 
     def live_bytes(self) -> int:
@@ -192,7 +192,7 @@ class BudgetDevice:
     def mark(self, tensors: Iterable[torch.Tensor], role: MemoryRole) -> None:
         """Say what counted tensors are (the model's, gradients, optimizer state) for `peak_breakdown`."""
         for tensor in tensors:
-            for storage in _storages(tensor):
+            for storage in local_storages(tensor):
                 self._counter.mark(storage, role)
 
     def peak_breakdown(self) -> MemoryBreakdown | None:
@@ -287,7 +287,7 @@ class _BudgetMode(TorchDispatchMode):
         counter.op = func
         inputs, _ = tree_flatten((args, kwargs))
         for value in inputs:
-            for storage in _storages(value):
+            for storage in local_storages(value):
                 if id(storage) not in counter.sizes:
                     counter.add(storage)
         before = counter.live
@@ -318,12 +318,12 @@ def _count_outputs(counter: _Counter, out: Any) -> list[tuple[int, int | None]]:
     A function of its own so that no local of the op's frame keeps an output alive after an OOM."""
     added: list[tuple[int, int | None]] = []
     for value in tree_flatten(out)[0]:
-        for storage in _storages(value):
+        for storage in local_storages(value):
             added.append((id(storage), counter.add(storage)))
     return added
 
 
-def _storages(value: object) -> Iterator[torch.UntypedStorage]:
+def local_storages(value: object) -> Iterator[torch.UntypedStorage]:
     """The storages that hold a value's bytes on this device. A wrapper tensor subclass (FSDP2's
     DTensor: a sharded parameter, gradient or optimizer state) holds its bytes in its inner
     tensors, the rank's local shard; its own storage stands for the global, unsharded size, which
@@ -334,6 +334,6 @@ def _storages(value: object) -> Iterator[torch.UntypedStorage]:
     if is_traceable_wrapper_subclass(value):
         names, _ = value.__tensor_flatten__()
         for name in names:
-            yield from _storages(getattr(value, name))
+            yield from local_storages(getattr(value, name))
         return
     yield value.untyped_storage()

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
+from autotune.budget import local_storages
 from autotune.errors import DeviceError
 from autotune.results import MemoryBreakdown, MemoryRole
 
@@ -112,8 +113,9 @@ class CudaDevice:
 
 
 def _block_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the tensors' distinct storages, each rounded up to the allocator's block size."""
-    sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    """Bytes of the tensors' distinct storages on this device, each rounded up to the allocator's
+    block size: a sharded (DTensor) parameter's local shard, whose wrapper has no storage of its own."""
+    sizes = {s.data_ptr(): s.nbytes() for t in tensors for s in local_storages(t)}
     return sum(-(-n // BLOCK) * BLOCK for n in sizes.values())
 
 

@@ -73,3 +73,18 @@ def test_a_rank_of_a_sharded_model_holds_its_shards_and_frees_what_it_gathers(me
     # activations and a few gathered blocks.
     assert peak < plain_peak / 2
     assert peak > 4 * built + activations
+
+
+def test_a_gpus_count_of_sharded_parameters_is_their_local_shards(mesh: object) -> None:
+    """On CUDA the trial marks the model's parameters through `gpu._block_bytes`: a DTensor has no
+    storage of its own to read (reading it raised, so every FSDP probe on a GPU failed before its
+    first trial); its local shard is what the rank holds."""
+    from torch.distributed.fsdp import fully_shard
+
+    from autotune.gpu import _block_bytes
+
+    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+    assert _block_bytes(model.parameters()) == PARAMETER_BYTES
+    for block in model:
+        fully_shard(block, mesh=mesh)
+    assert _block_bytes(model.parameters()) == PARAMETER_BYTES // WORLD
