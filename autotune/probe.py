@@ -328,6 +328,12 @@ def probe_workload(
     freeze = gc.get_freeze_count() == 0
     # The job gets its model back as it had it: trials train it on the probing device.
     model = workload.build_model()
+    if request.parallel == "fsdp" and workload.build_model() is model:
+        raise ConfigError(
+            "parallel='fsdp' shards the model in place (fully_shard changes its class and parameters), and this "
+            "workload's model is the job's own object: probe a workload that builds its model "
+            "(`autotune probe module:workload --parallel fsdp`, or a Workload with build_model)"
+        )
     training = model.training
     where = next((p.device for p in model.parameters()), None)
     if freeze:
@@ -337,6 +343,10 @@ def probe_workload(
     finally:
         if freeze:
             gc.unfreeze()
+        if request.parallel != "none":
+            from autotune import parallel
+
+            parallel.release()  # the job may make its own process group next
         model.train(training)
         if where is not None and next(model.parameters()).device != where:
             model.to(where)

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from autotune import Workload, probe_workload
-from autotune.errors import NotAnOOMError, WorkloadError
+from autotune.errors import ConfigError, NotAnOOMError, WorkloadError
 
 MEMORY = "1MiB"
 
@@ -163,3 +163,27 @@ def test_a_wrapped_optimizer_is_copied_from_the_one_it_wraps() -> None:
     workload = Workload.from_model(model, optimizer=wrapper, batch=ONE_BATCH, loss=loss_fn)  # type: ignore[arg-type]
     copy = workload.make_optimizer(model.parameters())
     assert type(copy) is torch.optim.SGD and copy.param_groups[0]["momentum"] == 0.9
+
+
+def test_a_parallel_probe_of_live_objects_leaves_the_job_free_to_make_its_group() -> None:
+    """DDP: the job's process has no process group after the probe (its own init_process_group
+    would fail twice-initialised), and its model computes as before. FSDP would shard the job's own
+    model in place: refused, naming what to probe instead."""
+    import torch.distributed as dist
+
+    model = mlp()
+    x = torch.randn(4, 32)
+    before = model(x).detach()
+    workload = Workload.from_model(model, batch=ONE_BATCH, loss=loss_fn)
+    result = probe_workload(workload, memory=MEMORY, headroom=0, parallel="ddp")
+    assert result.workload.parallel.strategy == "ddp" and result.max_micro_batch >= 1
+    assert not dist.is_initialized()
+    assert type(model) is nn.Sequential and torch.equal(model(x), before)
+    with pytest.raises(ConfigError, match="parallel='fsdp' shards the model in place"):
+        probe_workload(workload, memory=MEMORY, headroom=0, parallel="fsdp", world_size=2)
+    assert not dist.is_initialized() and torch.equal(model(x), before)
+    # A workload that builds its model may be sharded: the group is gone afterwards too.
+    built = Workload(name="built", build_model=mlp, make_batch=lambda b, device: (torch.randn(b, 32, device=device),
+                     torch.randint(0, 4, (b,), device=device)), loss=loss_fn)  # fmt: skip
+    sharded = probe_workload(built, memory=MEMORY, headroom=0, parallel="fsdp", world_size=2)
+    assert sharded.workload.parallel.world_size == 2 and not dist.is_initialized()

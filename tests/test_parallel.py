@@ -32,7 +32,7 @@ def results() -> Iterator[dict[str, ProbeResult]]:
     # here the test process ends it, so that later tests start without one.
     from autotune import parallel
 
-    parallel._release()
+    parallel.release()
     assert not dist.is_initialized()
 
 
@@ -65,9 +65,11 @@ def _bench() -> ModuleType:
     return module
 
 
-def _real_job(result: ProbeResult, strategy: str, world: int, batch: int) -> list[dict]:  # type: ignore[type-arg]
+def _real_job(
+    result: ProbeResult, strategy: str, world: int, batch: int, request: dict[str, object] = BASE
+) -> list[dict]:  # type: ignore[type-arg]
     return _bench().real_job(  # type: ignore[no-any-return]
-        BASE,
+        request,
         strategy,
         world,
         batch,
@@ -92,3 +94,25 @@ def test_the_one_device_answer_holds_on_every_rank_of_a_real_job_and_one_more_do
     assert {r["peak"] for r in at} == {simulated.peak_allocated_bytes}
     over = _real_job(result, strategy, world, answer + 1)
     assert not all(r["fits"] for r in over), over
+
+
+def test_a_ddp_trial_after_one_that_ran_out_in_the_synced_backward_runs() -> None:
+    """Out of memory midway through the backward that reduces the gradients leaves DDP's reducer
+    waiting for the rest of that step: the next trial's forward raised "Expected to have finished
+    reduction in the prior iteration" and the probe failed. Each failed trial now sets it back,
+    and the answer is the real job's."""
+    request: dict[str, object] = {
+        "target": "tests.workloads:classifier", "device": "cpu", "memory": "1MiB", "headroom": 0, "confirm": False
+    }  # fmt: skip
+    from autotune import parallel
+
+    try:
+        result = run_probe(ProbeRequest.model_validate({**request, "parallel": "ddp"}))
+    finally:
+        parallel.release()
+    _exact(result)
+    assert sum(not t.fits for t in result.trials) >= 2  # trials ran after out-of-memory ones
+    answer = result.max_micro_batch
+    at = _real_job(result, "ddp", 2, answer, request)
+    assert all(r["fits"] for r in at) and {r["peak"] for r in at} == {result.trial_at_answer.peak_allocated_bytes}
+    assert not all(r["fits"] for r in _real_job(result, "ddp", 2, answer + 1, request))

@@ -99,7 +99,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         sys.modules.pop("sharded_job", None)
         from autotune import parallel
 
-        parallel._release()
+        parallel.release()
         assert not dist.is_initialized()
 
 

@@ -95,3 +95,22 @@ def fresh_process_hungry(width: int = 64) -> Workload:
         optimizer="adam",
         input_spec={"width": width},
     )
+
+
+def classifier() -> Workload:
+    """A small classifier whose out-of-memory errors at 1 MiB fall in a DDP step's synced backward
+    (gradient buckets half reduced), not in its forward."""
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 96), nn.ReLU(), nn.Linear(96, 4))
+
+    def batch(b: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(b, 32, device=device), torch.randint(0, 4, (b,), device=device)
+
+    return Workload(
+        name="classifier",
+        build_model=build,
+        make_batch=batch,
+        loss=lambda model, xy: nn.functional.cross_entropy(model(xy[0]), xy[1]),
+    )

@@ -8,7 +8,8 @@
 
 The process group lives as long as the process (the probe runs in a child process of its own, and
 each confirmation in a fresh one); a different setup in the same process replaces it, and it is
-destroyed at exit. A process that already has a process group of its own (a distributed job
+destroyed at exit, or by `release` (a probe of live objects in the job's own process, which may make
+its own group next). A process that already has a process group of its own (a distributed job
 probing in-process) is refused: its group must not be replaced.
 """
 
@@ -30,7 +31,8 @@ DEFAULT_SHARDING = "per-block"
 _made: list[tuple[ParallelSpec, str, Any]] = []  # the group this module made: (spec, device type, mesh)
 
 
-def _release() -> None:
+def release() -> None:
+    """Destroy the process group this module made, if any (a group of the caller's own is kept)."""
     import torch.distributed as dist
 
     if _made and dist.is_initialized():
@@ -45,7 +47,7 @@ def _world(spec: ParallelSpec, device: torch.device) -> Any:
     if _made and (_made[0][0], _made[0][1]) == (spec, device.type):
         return _made[0][2]
     if _made:
-        _release()
+        release()
     if dist.is_initialized():
         raise ConfigError(
             f"--parallel {spec.strategy} makes a process group of its own, and this process already has one: "
@@ -62,7 +64,7 @@ def _world(spec: ParallelSpec, device: torch.device) -> Any:
         dist.init_process_group("fake", rank=0, world_size=spec.world_size, store=FakeStore())
         mesh = init_device_mesh(device.type, (spec.world_size,))
     if not _made:
-        atexit.register(_release)
+        atexit.register(release)
     _made[:] = [(spec, device.type, mesh)]
     return mesh
 
@@ -124,6 +126,21 @@ def accumulating_context(model: nn.Module, last: bool) -> Any:
     if isinstance(model, DistributedDataParallel) and not last:
         return model.no_sync()
     return nullcontext()
+
+
+def after_failed_step(model: nn.Module) -> None:
+    """Make `model` ready for a new step after one that raised (an out-of-memory error) part-way.
+
+    DDP's reducer expects every step it saw begin to end: a forward that ran prepares the backward,
+    and a backward that ran out of memory midway leaves gradient buckets pending. Its next forward
+    then refuses to start ("Expected to have finished reduction in the prior iteration"), which
+    ended a probe at the trial after the first out-of-memory one. A real job dies there; a trial
+    is undone, so the reducer is set back to a new iteration's state (what DDP itself does when its
+    process group is replaced)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        model.reducer._reset_state()
 
 
 def describe(spec: ParallelSpec) -> str:
