@@ -427,6 +427,16 @@ class GuardedWindow(Generic[B]):
 
 
 # Agreement across ranks ------------------------------------------------------------------------
+def _has_distributed_parameters(model: Any) -> bool:
+    """Whether any parameter is a DTensor (FSDP2's shards, tensor parallelism): its collectives run
+    inside forward and backward, where no agreement can reach them."""
+    from torch.distributed.tensor import DTensor
+
+    parameters = getattr(model, "parameters", None)
+    return callable(parameters) and any(isinstance(p, DTensor) for p in parameters())
+
+
+
 @dataclass(frozen=True)
 class _Verdict:
     oom_rank: int | None  # the lowest rank that ran out of memory, if any did
@@ -509,11 +519,12 @@ class _RankAgreement:
                 "under no_sync, where an OOM on one rank would leave the others waiting; OOMGuard syncs the "
                 "gradients itself: wrap the model without it"
             )
-        if ddp is None and callable(getattr(model, "no_sync", None)):
+        if ddp is None and (callable(getattr(model, "no_sync", None)) or _has_distributed_parameters(inner)):
+            # FSDP1 has no_sync; FSDP2 (fully_shard) and tensor parallelism have DTensor parameters.
             raise ConfigError(
                 f"OOMGuard agrees across ranks for DDP models and modules that run no collective in backward; "
-                f"{type(model).__name__} (FSDP?) syncs gradients inside backward, where an OOM on one rank "
-                "would leave the others waiting. Pass agree=False to run it unguarded across ranks"
+                f"{type(model).__name__} (FSDP or FSDP2?) syncs gradients inside backward, where an OOM on one "
+                "rank would leave the others waiting. Pass agree=False to run it unguarded across ranks"
             )
         return cls(model, ddp, group, _flag_device(group, model, device))
 

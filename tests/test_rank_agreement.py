@@ -232,6 +232,13 @@ def test_the_agreement_with_one_rank(tmp_path: Path) -> None:
 
         with pytest.raises(ConfigError, match="agree=False"):
             OOMGuard(Sharded(2, 1), agree=True)._ranks()
+        # FSDP2 has no no_sync: its DTensor parameters tell (its backward reduce-scatters).
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        sharded = fully_shard(nn.Sequential(nn.Linear(2, 2)), mesh=init_device_mesh("cpu", (1,)))
+        with pytest.raises(ConfigError, match="FSDP2"):
+            OOMGuard(sharded, agree=True)._ranks()
         with pytest.raises(ConfigError, match="static_graph"):
             OOMGuard(DistributedDataParallel(nn.Linear(2, 1), static_graph=True), agree=True)._ranks()
     finally:
