@@ -436,12 +436,14 @@ def _has_distributed_parameters(model: Any) -> bool:
     return callable(parameters) and any(isinstance(p, DTensor) for p in parameters())
 
 
-
 @dataclass(frozen=True)
 class _Verdict:
     oom_rank: int | None  # the lowest rank that ran out of memory, if any did
     error_rank: int | None  # the lowest rank that failed otherwise, if any did
-    size: int  # the micro-batch every rank redoes the window with (the smallest proposed; 0: none is left)
+    # The micro-batch this rank redoes the window with: when any rank ran out, every rank halves its
+    # own (all shrink alike; a mixed plan's ranks keep their proportions); 0 when a rank that ran out
+    # was at one sample already.
+    size: int
     used: list[bool]  # per DDP parameter: whether any rank has a gradient for it
 
 
@@ -461,9 +463,10 @@ class _RankAgreement:
        anywhere in them (or in `fill_gradients`) is caught on that rank alone.
     3. `agree`: every rank, OOM or not, enters one MAX all-reduce of a small int64 vector of
        preallocated memory (filled through a Python buffer, so it allocates nothing and cannot
-       itself run out): whether this rank ran out, whether it failed otherwise, its proposed
-       micro-batch (negated: the MAX is the smallest proposal), its rank if it ran out or failed
-       (negated, to name the lowest) and, per DDP parameter, whether it has a gradient.
+       itself run out): whether this rank ran out, whether it failed otherwise, whether it ran
+       out with micro-batches of one sample, its rank if it ran out or failed (negated, to name
+       the lowest) and, per DDP parameter, whether it has a gradient. When any rank ran out,
+       every rank halves its own micro-batch (ranks of a mixed plan keep their proportions).
     4. Only when no rank failed, `sync` all-reduces the gradients in place (nothing to allocate)
        and divides them by the world size (DDP's average), then broadcasts DDP's buffers from
        rank 0 in place: the same number of collectives in the same order on every rank.
@@ -473,7 +476,7 @@ class _RankAgreement:
     Collectives in the user's own step (SyncBatchNorm, tensor parallelism) are beyond this.
     """
 
-    _HEADER = 5  # ran out, failed otherwise, -proposal, -lowest rank that ran out, -lowest that failed
+    _HEADER = 5  # ran out, failed otherwise, ran out at one sample, -lowest rank that ran out, -lowest that failed
 
     def __init__(self, model: Any, ddp: Any, group: Any, device: torch.device) -> None:
         import torch
@@ -560,10 +563,9 @@ class _RankAgreement:
         """The collective every rank enters once per attempt, whatever happened in it."""
         import torch.distributed as dist
 
-        proposal = (-(-current // 2) if current > 1 else 0) if ran_out else current
         values = self.buffer
         values[0], values[1] = int(ran_out), int(failed)
-        values[2] = -proposal
+        values[2] = int(ran_out and current <= 1)
         # Negated ranks: the MAX is the lowest rank that ran out (or failed), which messages name.
         values[3] = -(self.rank if ran_out else self.world_size)
         values[4] = -(self.rank if failed else self.world_size)
@@ -575,7 +577,8 @@ class _RankAgreement:
         dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, group=self.group)
         if self.flags is not self.host:
             self.host.copy_(self.flags)
-        oom, error, size = values[0], values[1], -values[2]
+        oom, error, stuck = values[0], values[1], values[2]
+        size = 0 if stuck else -(-current // 2) if oom else current
         return _Verdict(
             oom_rank=-values[3] if oom else None,
             error_rank=-values[4] if error else None,

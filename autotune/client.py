@@ -258,10 +258,13 @@ class AutotuneClient:
         return self._json(self._send("POST", "/v1/run-failures", json={k: v for k, v in body.items() if v is not None}))
 
     def shrink_reporter(self, workload: str, **query: Any) -> Callable[[ShrinkEvent], None]:
-        """An `OOMGuard(on_shrink=...)` callback that reports each shrink with `report_run_oom`;
-        a report that fails is logged, never raised into the training loop."""
+        """An `OOMGuard(on_shrink=...)` callback that reports each shrink of a rank that ran out of
+        memory with `report_run_oom` (a rank that shrank because another ran out did not fail at its
+        size: nothing to report); a report that fails is logged, never raised into the training loop."""
 
         def report(event: ShrinkEvent) -> None:
+            if not event.ran_out:
+                return
             try:
                 self.report_run_oom(
                     workload, event.old_micro_batch, accumulates=event.micro_steps > 1, message=event.message, **query

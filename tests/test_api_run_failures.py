@@ -27,6 +27,8 @@ def test_a_run_oom_lowers_the_answer_for_later_plans_and_persists(tmp_path: Path
             # The guard's callback reports what it shrank from, without raising into the loop.
             report = client.shrink_reporter("tiny", device="cpu")
             report(ShrinkEvent(window=3, old_micro_batch=11, new_micro_batch=6, message="out of memory", micro_steps=4))
+            # A rank that shrank because another rank ran out did not fail at its size: not reported.
+            report(ShrinkEvent(4, old_micro_batch=10, new_micro_batch=5, message="rank 1 ran out", ran_out=False))
         with server.client() as http:
             plan = http.get(PLAN).json()
             assert plan["max_micro_batch"] == 10

@@ -112,6 +112,42 @@ def rank_main(rank: int, port: int, out: Path) -> None:
         dist.destroy_process_group()
 
 
+def mixed_rank_main(rank: int, port: int, out: Path) -> None:
+    """One rank of a mixed plan's job: rank 0 (a larger GPU) runs micro-batches of 62 and runs out
+    of memory above 40 samples; rank 1 runs 24 and never runs out."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+    try:
+        torch.manual_seed(0)
+        ddp = DistributedDataParallel(nn.Linear(4, 1))
+        guard = OOMGuard(ddp)
+        size = 62 if rank == 0 else 24
+        windows = [[(torch.randn(size, 4), torch.randn(size, 1))] for _ in range(2)]
+        ran: list[list[int]] = []
+        for window in guard.windows([b for w in windows for b in w], 1):
+            sizes: list[int] = []
+
+            def micro_step(step, sizes=sizes):  # type: ignore[no-untyped-def]
+                x, y = step.batch
+                sizes.append(len(x))
+                if len(x) > 40:
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+                step.scale(nn.functional.mse_loss(ddp(x), y)).backward()
+
+            window.run(micro_step)
+            ran.append(sizes)
+            ddp.zero_grad(set_to_none=True)
+        events = [[e.window, e.old_micro_batch, e.new_micro_batch, e.ran_out, e.message] for e in guard.events]
+        (out / f"rank{rank}.json").write_text(json.dumps({"ran": ran, "events": events}))
+        guard = ddp = None  # type: ignore[assignment]
+        gc.collect()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
 def _expected_parameters() -> list[torch.Tensor]:
     """One process, no DDP: each window's gradient is the mean loss over both ranks' samples."""
     model = _model()
@@ -132,7 +168,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_when_one_of_two_ranks_runs_out_both_shrink_alike_and_finish(tmp_path: Path) -> None:
+def _two_ranks(tmp_path: Path, scenario: str) -> tuple[list[dict], str]:  # type: ignore[type-arg]
+    """Run this file as both ranks of a gloo job; (each rank's report, both logs)."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     logs = [tmp_path / f"rank{rank}.log" for rank in (0, 1)]
@@ -141,7 +178,7 @@ def test_when_one_of_two_ranks_runs_out_both_shrink_alike_and_finish(tmp_path: P
         with log.open("w") as sink:
             processes.append(
                 subprocess.Popen(
-                    [sys.executable, __file__, str(rank), str(port), str(tmp_path)],
+                    [sys.executable, __file__, str(rank), str(port), str(tmp_path), scenario],
                     cwd=ROOT,
                     env=env,
                     stdout=sink,
@@ -159,8 +196,11 @@ def test_when_one_of_two_ranks_runs_out_both_shrink_alike_and_finish(tmp_path: P
         pytest.fail("a rank hung:\n" + "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs))
     outputs = "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs)
     assert [p.returncode for p in processes] == [0, 0], outputs
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)], outputs
 
-    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+def test_when_one_of_two_ranks_runs_out_both_shrink_alike_and_finish(tmp_path: Path) -> None:
+    reports, outputs = _two_ranks(tmp_path, "uniform")
     # Rank 1 ran out at the starting micro-batch; rank 0 did not, and redid the window with it.
     assert [[e[:4] for e in r["events"]] for r in reports] == [
         [[0, MICRO, MICRO // 2, False]],
@@ -179,6 +219,20 @@ def test_when_one_of_two_ranks_runs_out_both_shrink_alike_and_finish(tmp_path: P
     for zero, one, want in zip(final[0], final[1], _expected_parameters(), strict=True):
         assert torch.equal(zero, one)
         torch.testing.assert_close(zero, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_ranks_of_a_mixed_plan_each_halve_their_own_micro_batch(tmp_path: Path) -> None:
+    """Rank 0 runs 62 and runs out; rank 1 runs 24 and does not. Both halve their own size (31 and
+    12), as a uniform job's ranks shrink alike; before, both took the smallest proposal, 24, and the
+    rank that did not run out recorded a 'shrink' from 24 to 24."""
+    reports, outputs = _two_ranks(tmp_path, "mixed")
+    assert [r["events"] for r in reports] == [
+        [[0, 62, 31, True, reports[0]["events"][0][4]]],
+        [[0, 24, 12, False, "rank 0 ran out of memory"]],
+    ], outputs
+    assert "out of memory" in reports[0]["events"][0][4]
+    assert reports[0]["ran"] == [[62, 31, 31], [31, 31]]
+    assert reports[1]["ran"] == [[24, 12, 12], [12, 12]]
 
 
 def test_the_agreement_with_one_rank(tmp_path: Path) -> None:
@@ -246,4 +300,5 @@ def test_the_agreement_with_one_rank(tmp_path: Path) -> None:
 
 
 if __name__ == "__main__":
-    rank_main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))
+    main = mixed_rank_main if sys.argv[4] == "mixed" else rank_main
+    main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))
