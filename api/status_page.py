@@ -46,6 +46,7 @@ from api.security import require_token
 from api.service import Service
 from autotune import __version__
 from autotune.plan import Plan
+from autotune.results import ParallelSpec
 from autotune.store import StoreError
 from autotune.store.store import StoredResult
 from autotune.units import format_bytes
@@ -104,6 +105,8 @@ class ResultRow:
     without_accumulation: int | None
     precision: str
     optimizer: str
+    parallel: str  # what a rank was probed in ("" for one process without parallelism)
+    plan_query: str  # the GET /v1/plan query that this result answers
     source: str
     stored_at: datetime
     trials: int
@@ -177,10 +180,11 @@ def _result_row(
     options = ", ".join(f"{k}={v}" for k, v in sorted(result.workload.options.items()))
     plans = [_plan_row("stored with the result", result.plan)] if result.plan is not None else []
     plans += [_plan_row("answered here", made) for made in _answered_plans(svc, key)]
+    name = entry.name if entry is not None else job_workload or result.workload.target
     return ResultRow(
         request_key=key,
         fingerprint=result.fingerprint,
-        workload=entry.name if entry is not None else job_workload or result.workload.target,
+        workload=name,
         description=entry.description if entry is not None else "",
         target=f"{result.workload.target}({options})",
         device=result.device.name,
@@ -191,6 +195,8 @@ def _result_row(
         without_accumulation=result.max_micro_batch_without_accumulation,
         precision=result.workload.precision,
         optimizer=result.workload.optimizer,
+        parallel=_parallel_text(result.workload.parallel),
+        plan_query=_plan_query(name, result.workload.parallel),
         source=stored.source,
         stored_at=stored.stored_at,
         trials=len(result.trials),
@@ -213,6 +219,28 @@ def _answered_plans(svc: Service, key: str) -> list[Plan]:
             if len(found) == MAX_PLANS:
                 break
     return found
+
+
+def _parallel_text(spec: ParallelSpec) -> str:
+    if spec.strategy == "ddp":
+        return "per rank of a DDP job"
+    if spec.strategy == "fsdp":
+        kept = "" if spec.reshard_after_forward else ", gathered parameters kept for backward"
+        return f"per rank of a {spec.world_size}-rank FSDP2 job ({spec.sharding}{kept})"
+    return ""
+
+
+def _plan_query(workload: str, spec: ParallelSpec) -> str:
+    """The plan query a job asks this result with: its setup's fields too (without them, a query
+    is a plain job's and finds another result)."""
+    query = f"workload={workload}&effective_batch=N"
+    if spec.strategy != "none":
+        query += f"&parallel={spec.strategy}"
+    if spec.strategy == "fsdp":
+        query += f"&world_size={spec.world_size}"
+        if not spec.reshard_after_forward:
+            query += "&reshard_after_forward=false"
+    return query
 
 
 def _plan_row(source: str, made: Plan) -> PlanRow:

@@ -264,3 +264,36 @@ def test_text_users_wrote_cannot_put_markup_on_the_page(tmp_path: Path) -> None:
         assert '<article class="result"' in text and 'data-workload="evil"' in text
 
     _run(tmp_path, workloads, body, _no_nvml)
+
+
+def test_a_result_says_what_a_rank_was_probed_in_and_how_to_ask_for_its_plan(tmp_path: Path) -> None:
+    """A plain result and an FSDP2 one of the same workload: only the setup tells them apart, and
+    a plan query without it finds the plain one."""
+    from autotune.results import ParallelSpec
+
+    plain = make_result(max_micro_batch=10, max_batch_cap=16)
+    spec = ParallelSpec(strategy="fsdp", world_size=4, reshard_after_forward=False)
+    ref = plain.workload.model_copy(update={"parallel": spec})
+    sharded = make_result(max_micro_batch=14, max_batch_cap=16, workload=ref)
+    assert sharded.fingerprint != plain.fingerprint
+
+    async def body(client: httpx.AsyncClient) -> None:
+        for result in (plain, sharded):
+            published = await client.post("/v1/results", json=result.model_dump(mode="json"))
+            assert published.status_code == 201, published.text
+        text = html.unescape((await client.get("/")).text)
+        articles = re.findall(r'<article class="result".*?</article>', text, re.S)
+        assert len(articles) == 2
+        fsdp = next(a for a in articles if ">14<" in a)
+        plain_article = next(a for a in articles if ">10<" in a)
+        assert "per rank of a 4-rank FSDP2 job (per-block, gathered parameters kept for backward)" in fsdp
+        query = "workload=tiny&effective_batch=N&parallel=fsdp&world_size=4&reshard_after_forward=false"
+        assert f"GET /v1/plan?{query}" in fsdp
+        assert "Parallel" not in plain_article and "GET /v1/plan?workload=tiny&effective_batch=N<" in plain_article
+        # The hints' queries, with a number, answer with their results.
+        for hint, answer in ((query, 14), ("workload=tiny&effective_batch=N", 10)):
+            asked = await client.get("/v1/plan?" + hint.replace("=N", "=112"))
+            assert asked.status_code == 200, asked.text
+            assert asked.json()["max_micro_batch"] == answer
+
+    _run(tmp_path, WORKLOADS_TOML, body, _no_nvml)
