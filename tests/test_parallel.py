@@ -5,6 +5,11 @@ its own budget device at the probe's limit."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import re
+import shlex
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -19,13 +24,32 @@ ROOT = Path(__file__).resolve().parents[1]
 BASE = {"target": "gpt", "device": "cpu", "memory": "128MiB", "headroom": 0, "confirm": False}
 
 
+def _readme_command() -> list[str]:
+    """The README's `--parallel fsdp` command: its 4-rank case is this command's answer."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Parallel jobs") : readme.index("## Estimating without a GPU")]
+    line = re.search(r"```console\n\$ (autotune probe .*)\n```", section)
+    assert line, "the README's parallel section has no probe command"
+    return shlex.split(line.group(1))
+
+
 @pytest.fixture(scope="module")
 def results() -> Iterator[dict[str, ProbeResult]]:
+    command = _readme_command()
+    assert command[2:] == [
+        "gpt", "--device", "cpu", "--memory", BASE["memory"], "--headroom", "0", "--parallel", "fsdp",
+        "--world-size", "4", "--no-confirm", "--json",
+    ]  # fmt: skip
+    printed = subprocess.run(
+        [str(Path(sys.executable).parent / "autotune"), *command[1:]],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert printed.returncode == 0, printed.stderr
     found = {
         "none": run_probe(ProbeRequest(**BASE)),
         "ddp": run_probe(ProbeRequest(**BASE, parallel="ddp")),
         "fsdp2": run_probe(ProbeRequest(**BASE, parallel="fsdp", world_size=2)),
-        "fsdp4": run_probe(ProbeRequest(**BASE, parallel="fsdp", world_size=4)),
+        "fsdp4": ProbeResult.model_validate_json(printed.stdout),
     }
     yield found
     # The probe's process group lives as long as its process (a probe's own child, normally);
@@ -52,6 +76,12 @@ def test_each_setup_answers_exactly_for_its_loop_and_is_keyed_apart(results: dic
     assert ddp.max_micro_batch <= none.max_micro_batch < fsdp2.max_micro_batch <= fsdp4.max_micro_batch
     assert len({r.fingerprint for r in results.values()}) == 4
     assert fsdp4.workload.parallel.strategy == "fsdp" and fsdp4.workload.parallel.world_size == 4
+    # What the README says its command answers.
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    setup = json.dumps(fsdp4.workload.parallel.model_dump())
+    answer = fsdp4.max_micro_batch
+    assert f"answers {answer} per rank (`max_micro_batch`; `workload.parallel` is `{setup}`)" in readme
+    assert f"the real 4-rank job at {answer} and at {answer + 1}." in readme
     # What a rank holds of the model: a quarter of its parameters (rows padded to divide by 4).
     assert none.breakdown is not None and fsdp4.breakdown is not None
     assert abs(fsdp4.breakdown.parameters - none.breakdown.parameters / 4) < none.breakdown.parameters * 0.01
