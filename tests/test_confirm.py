@@ -79,8 +79,8 @@ def test_lowering_the_one_micro_step_answer_confirms_the_accumulation_answer_in_
     assert accumulating and all(r.micro_steps == 3 for r in accumulating)
     assert any(r.batch == answer and r.fits for r in accumulating)
     assert any(r.batch == answer + 1 and not r.fits for r in accumulating)
-    # The fresh process here fits about a tenth less, more than a GPU's allocator history costs
-    # (1-3%): still a guess, a walk and a bisection per answer, not one size at a time.
+    # The fresh process here fits about 3% less, at the top of what a GPU's allocator history
+    # costs (1-3%): a guess, a walk and a bisection per answer, not one size at a time.
     assert all(len(c.runs) <= 12 for c in result.confirmation.checks)
     # The plan was made again from the lowered answers and reaches the same effective batch.
     assert result.plan is not None and sum(result.plan.micro_batches) == single

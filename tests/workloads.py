@@ -84,7 +84,7 @@ def fresh_process_hungry(width: int = 64) -> Workload:
 
     def batch(b: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
         hungry = os.environ.get("AUTOTUNE_TEST_PROBE_PID") != str(os.getpid())
-        extra = torch.randn(b, width // 2, device=device) if hungry else None
+        extra = torch.randn(b, width // 8, device=device) if hungry else None
         return torch.randn(b, width, device=device), extra
 
     return Workload(
