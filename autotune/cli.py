@@ -30,7 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from autotune import __version__
-from autotune.errors import AutotuneError, ConfigError, PlanError, ProbeError, WorkloadError, report
+from autotune.errors import AutotuneError, ConfigError, DeviceError, PlanError, ProbeError, WorkloadError, report
 from autotune.plan import Plan, Policy, parse_policy, plan
 from autotune.units import format_bytes, parse_headroom, parse_size
 
@@ -425,7 +425,7 @@ def probe(
     except ValueError as exc:  # pydantic's ValidationError
         raise ConfigError(_validation_message(exc)) from None
     if _on_budget_device(request.device):
-        _check_cpu_budget(request, settings.max_cpu_memory)
+        _check_cpu_budget(request, settings)
     _check_target(request, in_process)
     result = _run_with_progress(request, in_process, timeout if timeout is not None else settings.probe_timeout)
     if json_output:
@@ -1002,9 +1002,16 @@ def _size(flag: str, text: str | None, *, allow_zero: bool = False) -> int | Non
     if not text.strip():
         raise ConfigError(f"{flag} is empty: give a size with its unit, for example 512MiB or 24GiB")
     try:
-        return parse_size(text, allow_zero=allow_zero)
+        size = parse_size(text, allow_zero=allow_zero)
     except ConfigError as exc:
         raise ConfigError(f"{flag}: {exc}") from None
+    if text.strip().isdigit() and 0 < size < 2**20:
+        # A bare number is bytes: below a MiB, a unit was left out (as a bare headroom of 5 means 5%).
+        number = text.strip()
+        raise ConfigError(
+            f"{flag} {number} has no unit and would be {number} bytes: did you mean {number}GiB or {number}MiB?"
+        )
+    return size
 
 
 def _headroom(flag: str, text: str | None) -> float | int | None:
@@ -1074,6 +1081,23 @@ def _check_ignored_flags(fields: dict[str, Any], timeout: float | None, in_proce
             "--timeout bounds the isolated probe process, and --in-process runs the search in this process, "
             "which nothing kills at a timeout: drop --in-process to have the timeout, or drop --timeout"
         )
+    if not fields["confirm"] and fields["confirm_steps"] != 2:
+        raise ConfigError(
+            f"--confirm-steps {fields['confirm_steps']} sizes the fresh-process confirmation, and --no-confirm "
+            "skips it: drop one of them"
+        )
+    if fields["effective_batch"] is None:
+        if fields["world_size"] > 1 and fields["parallel"] != "fsdp":
+            raise ConfigError(
+                f"--world-size {fields['world_size']} splits --effective-batch across ranks (and is the ranks "
+                "--parallel fsdp shards over); with neither, it changes nothing: add --effective-batch E, or "
+                "drop --world-size (a DDP rank's answer does not depend on the number of ranks)"
+            )
+        if fields["policy"] is not Policy.FEWEST_STEPS:
+            raise ConfigError(
+                f"--policy {fields['policy'].value} chooses how --effective-batch is split, and no "
+                "--effective-batch is given: add --effective-batch E, or drop --policy"
+            )
     flags = [
         flag
         for flag, given in (
@@ -1091,24 +1115,29 @@ def _check_ignored_flags(fields: dict[str, Any], timeout: float | None, in_proce
         )
 
 
-def _check_cpu_budget(request: Any, cap: int) -> None:
+def _check_cpu_budget(request: Any, settings: Any) -> None:
     """The budget device really allocates the memory it simulates, in host RAM: refuse a size the
     host cannot hold, and one above AUTOTUNE_MAX_CPU_MEMORY (the cap the service has too), before
-    the probe reports host failures as out-of-memory trials and answers by host RAM. (Called for
-    the budget device only.)"""
-    if request.memory is None:
-        return
+    the probe reports host failures as out-of-memory trials and answers by host RAM (or its child
+    is killed by the host). The size is --memory's, else AUTOTUNE_CPU_MEMORY's, and the message
+    names the one that set it. (Called for the budget device only.)"""
+    if request.memory is not None:
+        size, source, fix = request.memory, "--memory", "probe a smaller --memory"
+    else:
+        size, source, fix = settings.cpu_memory, "AUTOTUNE_CPU_MEMORY", "lower AUTOTUNE_CPU_MEMORY or give --memory"
+    cap = settings.max_cpu_memory
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if request.memory > cap:
+    if size > cap:
         raise ConfigError(
-            f"--memory {format_bytes(request.memory)} on the cpu budget device allocates that much host RAM, "
-            f"above AUTOTUNE_MAX_CPU_MEMORY ({format_bytes(cap)}): raise AUTOTUNE_MAX_CPU_MEMORY to allow it"
+            f"{source} {format_bytes(size)} on the cpu budget device allocates that much host RAM, "
+            f"above AUTOTUNE_MAX_CPU_MEMORY ({format_bytes(cap)}): raise AUTOTUNE_MAX_CPU_MEMORY to allow it, "
+            f"or {fix}"
         )
-    if request.memory > host:
+    if size > host:
         raise ConfigError(
-            f"--memory {format_bytes(request.memory)} on the cpu budget device needs that much host RAM, "
-            f"and this host has {format_bytes(host)}: probe a smaller budget (it is a simulation: the "
-            "answer scales) or run on the GPU"
+            f"{source} {format_bytes(size)} on the cpu budget device needs that much host RAM, "
+            f"and this host has {format_bytes(host)}: {fix} (it is a simulation: the answer scales) or run "
+            "on the GPU"
         )
 
 
@@ -1286,7 +1315,7 @@ def run(args: Sequence[str]) -> int:
     failed = f"{command} failed" if command == "estimate" else "probe failed"
     try:
         code = typer.main.get_command(app).main(args, prog_name="autotune", standalone_mode=False)
-    except ConfigError as exc:
+    except (ConfigError, DeviceError) as exc:  # a device that does not exist here is bad input too
         return _fail(str(exc), 2, "error", report(exc), as_json, exc)
     except ProbeError as exc:
         return _fail(str(exc), 1, failed, report(exc), as_json, exc)

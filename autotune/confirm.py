@@ -276,7 +276,7 @@ def run_fresh(job: FreshRunRequest, timeout: float, on_progress: ProgressCallbac
         child.communicate()
         raise ProbeTimeoutError(
             f"the fresh-process confirmation of batch {job.batch} ran past {timeout:g} s and was killed: "
-            "raise the timeout or lower --confirm-steps"
+            "raise the timeout (--timeout, AUTOTUNE_PROBE_TIMEOUT) or lower --confirm-steps"
         ) from None
     except BaseException:  # interrupted (Ctrl-C, SIGTERM): the run must not outlive the caller
         child.kill()

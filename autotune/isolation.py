@@ -163,7 +163,8 @@ def run_isolated(
             if remaining <= 0:
                 raise errors.ProbeTimeoutError(
                     f"the probe ran past its timeout of {timeout:g} s after {trials} trial(s) and was "
-                    "killed: raise the timeout, or lower the workload's max_batch or steps"
+                    "killed: raise the timeout (--timeout, AUTOTUNE_PROBE_TIMEOUT), or lower --max-batch or --steps "
+                    "(a request's max_batch, steps)"
                 )
             # A child that has exited wrote all it will: read what is left, without waiting on a
             # writer that a process it forked may still hold.

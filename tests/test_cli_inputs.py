@@ -78,6 +78,23 @@ ROWS: list[tuple[tuple[str, ...], dict[str, str], int, tuple[str, ...]]] = [
         2,
         ("--memory", "host RAM", "this host has"),
     ),
+    # ... also when AUTOTUNE_CPU_MEMORY sets it (the child was killed by the host, reported as a crash)
+    (
+        ("probe", "mlp", "--device", "cpu"),
+        {"AUTOTUNE_CPU_MEMORY": "80GB"},
+        2,
+        ("AUTOTUNE_CPU_MEMORY 74.5 GiB", "above AUTOTUNE_MAX_CPU_MEMORY", "lower AUTOTUNE_CPU_MEMORY or give --memory"),
+    ),
+    (
+        ("probe", "mlp", "--device", "cpu"),
+        {"AUTOTUNE_CPU_MEMORY": "1000TiB", "AUTOTUNE_MAX_CPU_MEMORY": "2000TiB"},
+        2,
+        ("AUTOTUNE_CPU_MEMORY", "this host has"),
+    ),
+    # a bare number is bytes: below a MiB, a unit was left out
+    (("probe", "mlp", "--device", "cpu", "--memory", "1"), {}, 2, ("--memory 1 has no unit", "did you mean 1GiB")),
+    (("probe", "mlp", "--device", "cpu", "--memory", "64"), {}, 2, ("--memory 64 has no unit", "64MiB?")),
+    (("estimate", "gpt", "--memory", "80"), {}, 2, ("--memory 80 has no unit",)),
     (("probe", "gpt", "--memory", "12XB"), {}, 2, ("--memory", "cannot parse size '12XB'")),
     (("probe", "gpt", "--memory", "9" * 400), {}, 2, ("--memory", "too large")),
     (("probe", "gpt", "--headroom", ""), {}, 2, ("--headroom is empty",)),
@@ -222,6 +239,10 @@ ROWS: list[tuple[tuple[str, ...], dict[str, str], int, tuple[str, ...]]] = [
     ((*PROBE, "--min-free-memory", "0"), {}, 2, ("--min-free-memory applies to a CUDA device",)),
     ((*PROBE, "--timeout", "60", "--in-process"), {}, 2, ("--timeout", "--in-process", "nothing kills")),
     ((*PROBE, "--start-batch", "64"), {}, 2, ("--start-batch 64 is for --search plain",)),
+    ((*PROBE, "--no-confirm", "--confirm-steps", "3"), {}, 2, ("--confirm-steps 3", "--no-confirm skips it")),
+    ((*PROBE, "--world-size", "4"), {}, 2, ("--world-size 4", "add --effective-batch E")),
+    ((*PROBE, "--world-size", "4", "--parallel", "ddp"), {}, 2, ("--world-size 4", "DDP rank's answer")),
+    ((*PROBE, "--policy", "exact"), {}, 2, ("--policy exact", "no --effective-batch is given")),
     ((*PROBE, "--start-batch", "64", "--search", "predict"), {}, 2, ("--start-batch 64", "--search plain")),
     # issue 12: estimate (in this process: fake trials, a second each)
     (
@@ -527,3 +548,12 @@ def test_an_isolated_probe_imports_neither_torch_nor_the_workload_here_and_debug
         "probe failed: batch 4 failed with an error that is not out-of-memory: KeyError: 'labels' "
         "(at tests/guard_workloads.py:24 in _loss)"
     )
+
+
+def test_a_device_that_is_not_here_is_bad_input(autotune_probing: Callable[..., tuple[int, str, str]]) -> None:
+    """No CUDA here (or no 99th GPU on a GPU machine): exit 2 as for any bad input, not 1."""
+    code, stdout, stderr = autotune_probing("probe", "mlp", "--device", "cuda:99", "--memory", "1MiB", "--in-process")
+    assert code == 2 and stdout == "", stderr
+    stderr = _reason(stderr)
+    assert stderr.startswith("error: ") and stderr.count("\n") == 1, stderr
+    assert "--device cpu" in stderr or "cuda:99 does not exist" in stderr
