@@ -535,6 +535,7 @@ def _progress_line(p: TrialProgress, trial: int) -> str:
 
 # A log gets a progress line for each trial's first report, then at most one a second.
 _LOG_INTERVAL_SECONDS = 1.0
+_HEARTBEAT_SECONDS = 30.0  # piped output: a step with no new report is said to be still running this often
 
 
 def _interrupted(exc: BaseException, trials: int, current: TrialProgress | None) -> ProbeInterrupted:
@@ -589,24 +590,47 @@ def _run_with_progress(request: ProbeRequest, in_process: bool, timeout: float) 
     def run_and_show() -> ProbeResult:
         if not err.is_terminal:
             logged = -math.inf
+            # The step running and when its report came: a step can run for minutes with no new
+            # report, and a log that stops moving looks like a hang.
+            latest: list[tuple[TrialProgress, float] | None] = [None]
+            said = [time.monotonic()]
 
             def log(t: TrialRecord) -> None:
+                latest[0] = None
                 verdict = "fits" if t.fits else "OOM "
                 say(
                     f"trial {len(view.trials) + 1:3d}: batch {t.batch:6d} x{t.micro_steps} {verdict} "
                     f"peak {format_bytes(t.peak_reserved_bytes):>10} {t.seconds:6.2f} s"
                 )
+                said[0] = time.monotonic()
                 view.trial(t)
 
             def log_progress(p: TrialProgress) -> None:
                 nonlocal logged
                 view.progress(p)
                 now = time.monotonic()
+                latest[0] = (p, now)
                 if p.first or now - logged >= _LOG_INTERVAL_SECONDS:
-                    logged = now
+                    logged = said[0] = now
                     say(_progress_line(p, len(view.trials) + 1))
 
-            return run(log, log_progress)
+            def heartbeat() -> None:
+                while not stopped.wait(min(1.0, _HEARTBEAT_SECONDS)):
+                    running, now = latest[0], time.monotonic()
+                    if running is not None and now - said[0] >= _HEARTBEAT_SECONDS:
+                        p, received = running
+                        still = p.model_copy(update={"seconds": p.seconds + now - received})
+                        said[0] = now
+                        say(_progress_line(still, len(view.trials) + 1) + " (still running)")
+
+            stopped = threading.Event()
+            beating = threading.Thread(target=heartbeat, name="autotune-progress-heartbeat", daemon=True)
+            beating.start()
+            try:
+                return run(log, log_progress)
+            finally:
+                stopped.set()
+                beating.join()
         from rich.live import Live
 
         with Live(view, console=err, auto_refresh=True, refresh_per_second=8):

@@ -171,3 +171,19 @@ def test_an_interrupt_ends_the_probe_s_processes_then_says_so(
     assert last == text.splitlines()[-1]
     error = json.loads(out)["error"]
     assert error["type"] == "Interrupted" and error["exit_code"] == code and error["signal"] == sig.name
+
+
+def test_piped_output_says_a_long_step_is_still_running(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A step that runs long sends no new report; in a log, a line every _HEARTBEAT_SECONDS says it
+    is still running, with its time so far (batch 2 hangs here until the probe's timeout)."""
+    monkeypatch.setattr(cli, "_HEARTBEAT_SECONDS", 0.5)
+    monkeypatch.chdir(ROOT)
+    code = cli.run(["probe", "tests.workloads:hangs", *TINY, "--no-confirm", "--timeout", "4"])
+    stderr = capsys.readouterr().err
+    assert code == 1 and "ran past its timeout of 4 s" in stderr, stderr
+    still = re.findall(r"trial +2: batch +2 step 1/2 micro-step 1/1 +(\d+\.\d\d) s \(still running\)", stderr)
+    assert len(still) >= 2, stderr
+    seconds = [float(s) for s in still]
+    assert seconds == sorted(seconds) and seconds[-1] > seconds[0]

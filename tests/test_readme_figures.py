@@ -48,6 +48,7 @@ def test_the_constants_it_quotes_are_the_codes() -> None:
         ("rounded to 512 B", budget.ROUNDING, 512),
         ("`CUDA_OVERHEAD_BYTES = 768 MiB`", estimate.CUDA_OVERHEAD_BYTES, 768 * MIB),
         ("plans of more than 10,000 accumulation steps", cli.MAX_ACCUMULATION_STEPS, 10_000),
+        ("one every 30 s while a step runs long", cli._HEARTBEAT_SECONDS, 30),
         ("an effective batch above 10,000,000 samples per rank", cli.MAX_SAMPLES_PER_RANK, 10_000_000),
         ("times up to three halvings of the answer", objective.EXTRA_TIMED_SIZES, 3),
         ("up to 3 accumulated micro-steps for `max_micro_batch`", confirm.CONFIRM_MICRO_STEPS, 3),
