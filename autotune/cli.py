@@ -687,6 +687,15 @@ def _confirmation_lines(result: ProbeResult) -> list[str]:
     return lines
 
 
+def _predicted_words(predicted: int) -> str:
+    """The timelines' prediction; at the model's ceiling it is a lower bound (the search went on)."""
+    from autotune.search import MAX_PREDICTED_BATCH  # no torch
+
+    if predicted >= MAX_PREDICTED_BATCH:
+        return f"at least {predicted:,} (the curve is not followed past that: the search went on from there)"
+    return str(predicted)
+
+
 def _prediction_lines(result: ProbeResult) -> list[str]:
     lines: list[str] = []
     p = result.prediction
@@ -694,7 +703,8 @@ def _prediction_lines(result: ProbeResult) -> list[str]:
         if p.predicted_max_micro_batch is not None:
             verdict = "exact" if p.exact else f"verified answer {result.max_micro_batch}"
             lines.append(
-                f"  predicted {p.predicted_max_micro_batch} from timelines at {', '.join(map(str, p.probe_batches))} "
+                f"  predicted {_predicted_words(p.predicted_max_micro_batch)} from timelines at "
+                f"{', '.join(map(str, p.probe_batches))} "
                 f"({verdict}; the {p.probe_trials} timeline trials are counted above)"
             )
         if p.fallback_reason:
@@ -973,7 +983,7 @@ def estimate(
         f"parameters and buffers {format_bytes(result.state_bytes)}"
     )
     if result.predicted_max_micro_batch is not None:
-        out.print(f"  the two timeline trials predicted {result.predicted_max_micro_batch}")
+        out.print(f"  the two timeline trials predicted {_predicted_words(result.predicted_max_micro_batch)}")
     if result.fallback_reason:
         out.print(f"  [yellow]plain search:[/] {escape(result.fallback_reason)}")
     if result.curve:

@@ -38,15 +38,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autotune.budget import ROUNDING
 from autotune.errors import FlatMemoryError, NothingFitsError
 from autotune.results import CurvePoint, Prediction, TrialRecord
-from autotune.search import MAKE_BATCH_HINT, SearchOutcome, TrialFn, search, search_from_guess
+from autotune.search import (
+    MAKE_BATCH_HINT,
+    MAX_PREDICTED_BATCH,
+    SearchOutcome,
+    TrialFn,
+    search,
+    search_from_guess,
+)
 from autotune.trial import ProbeDevice
 from autotune.units import format_bytes
 
 # Batch 1 can run a different op sequence (a squeezed dimension, a fast path), so the pair starts
 # at 2; the third size is the second pair's upper end when the first pair's sequences differ.
 PROBE_LADDER = (2, 4, 8)
-# Past this the model is not asked for more: memory that barely grows is as good as unbounded.
-MAX_PREDICTED_BATCH = 1 << 24
 CURVE_POINTS = 64
 
 Event = tuple[str, Any, int]
