@@ -139,8 +139,9 @@ def after_failed_step(model: nn.Module) -> None:
     process group is replaced)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    if isinstance(model, DistributedDataParallel):
-        model.reducer._reset_state()
+    reset = getattr(getattr(model, "reducer", None), "_reset_state", None)  # private: present in 2.2 to 2.13
+    if isinstance(model, DistributedDataParallel) and callable(reset):
+        reset()
 
 
 def describe(spec: ParallelSpec) -> str:
