@@ -47,7 +47,8 @@ class ResultCache:
             current = self._entries.get(key)
             # The same result stored again (a worker caches its probe's result before the store
             # records it, with a later time) keeps its version: the plans made from it still hold.
-            if current is not None and _identity(current.stored) == _identity(stored):
+            # Any difference at all is a new version (a plan depends on more than the answer).
+            if current is not None and current.stored.result == stored.result:
                 version = current.version
             else:
                 version = next(self._versions)
@@ -61,13 +62,6 @@ class ResultCache:
     def items(self) -> list[tuple[str, Cached]]:
         """Every request key and its result (a copy: the refresher may add entries meanwhile)."""
         return list(self._entries.items())
-
-
-def _identity(stored: StoredResult) -> tuple[object, ...]:
-    """What tells one result from another for the same key: a new probe (its creation time) or
-    a lowering by run failures; not when, or by whom, it was stored."""
-    result = stored.result
-    return (result.fingerprint, result.created_at, result.max_micro_batch, len(result.run_failures))
 
 
 class PlanCache:

@@ -423,7 +423,8 @@ class GuardedWindow(Generic[B]):
                     f"window {self.number} ran out of memory on rank {verdict.oom_rank} even with micro-batches "
                     f"of 1 sample: {message}"
                 )
-            guard._record(ShrinkEvent(self.number, current, verdict.size, message, len(steps), failure is not None))
+            if failure is not None or verdict.size != current:  # a rank already at 1 sample redoes it as it is
+                guard._record(ShrinkEvent(self.number, current, verdict.size, message, len(steps), failure is not None))
 
 
 # Agreement across ranks ------------------------------------------------------------------------

@@ -578,50 +578,59 @@ def _run_with_progress(request: ProbeRequest, in_process: bool, timeout: float) 
         # A Text, not markup=False: print's options would reach the live table's markup as well.
         err.print(Text(line), highlight=False)
 
+    # Piped: the step running and when its report came (a step can run for minutes with no new
+    # report, and a log that stops moving looks like a hang), when a line was last said, and a lock
+    # that keeps the heartbeat's line from naming a step that has just ended.
+    latest: list[tuple[TrialProgress, float] | None] = [None]
+    said = [time.monotonic()]
+    saying = threading.Lock()
+
     def confirming(t: TrialRecord) -> None:
-        view.confirmed(t)
-        verdict = "fits" if t.fits else "OOM"
-        loop = f"{t.micro_steps} micro-steps" if t.micro_steps > 1 else "1 micro-step"
-        say(
-            f"confirm: batch {t.batch} in a fresh process ({loop} per optimizer step): {verdict}, "
-            f"peak {format_bytes(t.peak_reserved_bytes)}, {t.seconds:.2f} s"
-        )
+        with saying:
+            latest[0] = None
+            view.confirmed(t)
+            verdict = "fits" if t.fits else "OOM"
+            loop = f"{t.micro_steps} micro-steps" if t.micro_steps > 1 else "1 micro-step"
+            say(
+                f"confirm: batch {t.batch} in a fresh process ({loop} per optimizer step): {verdict}, "
+                f"peak {format_bytes(t.peak_reserved_bytes)}, {t.seconds:.2f} s"
+            )
+            said[0] = time.monotonic()
 
     def run_and_show() -> ProbeResult:
         if not err.is_terminal:
             logged = -math.inf
-            # The step running and when its report came: a step can run for minutes with no new
-            # report, and a log that stops moving looks like a hang.
-            latest: list[tuple[TrialProgress, float] | None] = [None]
-            said = [time.monotonic()]
 
             def log(t: TrialRecord) -> None:
-                latest[0] = None
-                verdict = "fits" if t.fits else "OOM "
-                say(
-                    f"trial {len(view.trials) + 1:3d}: batch {t.batch:6d} x{t.micro_steps} {verdict} "
-                    f"peak {format_bytes(t.peak_reserved_bytes):>10} {t.seconds:6.2f} s"
-                )
-                said[0] = time.monotonic()
-                view.trial(t)
+                with saying:
+                    latest[0] = None
+                    verdict = "fits" if t.fits else "OOM "
+                    say(
+                        f"trial {len(view.trials) + 1:3d}: batch {t.batch:6d} x{t.micro_steps} {verdict} "
+                        f"peak {format_bytes(t.peak_reserved_bytes):>10} {t.seconds:6.2f} s"
+                    )
+                    said[0] = time.monotonic()
+                    view.trial(t)
 
             def log_progress(p: TrialProgress) -> None:
                 nonlocal logged
-                view.progress(p)
-                now = time.monotonic()
-                latest[0] = (p, now)
-                if p.first or now - logged >= _LOG_INTERVAL_SECONDS:
-                    logged = said[0] = now
-                    say(_progress_line(p, len(view.trials) + 1))
+                with saying:
+                    view.progress(p)
+                    now = time.monotonic()
+                    latest[0] = (p, now)
+                    if p.first or now - logged >= _LOG_INTERVAL_SECONDS:
+                        logged = said[0] = now
+                        say(_progress_line(p, len(view.trials) + 1))
 
             def heartbeat() -> None:
                 while not stopped.wait(min(1.0, _HEARTBEAT_SECONDS)):
-                    running, now = latest[0], time.monotonic()
-                    if running is not None and now - said[0] >= _HEARTBEAT_SECONDS:
-                        p, received = running
-                        still = p.model_copy(update={"seconds": p.seconds + now - received})
-                        said[0] = now
-                        say(_progress_line(still, len(view.trials) + 1) + " (still running)")
+                    with saying:
+                        running, now = latest[0], time.monotonic()
+                        if running is not None and now - said[0] >= _HEARTBEAT_SECONDS:
+                            p, received = running
+                            still = p.model_copy(update={"seconds": p.seconds + now - received})
+                            said[0] = now
+                            say(_progress_line(still, len(view.trials) + 1) + " (still running)")
 
             stopped = threading.Event()
             beating = threading.Thread(target=heartbeat, name="autotune-progress-heartbeat", daemon=True)
@@ -1039,8 +1048,8 @@ def _size(flag: str, text: str | None, *, allow_zero: bool = False) -> int | Non
         size = parse_size(text, allow_zero=allow_zero)
     except ConfigError as exc:
         raise ConfigError(f"{flag}: {exc}") from None
-    if text.strip().isdigit() and 0 < size < 2**20:
-        # A bare number is bytes: below a MiB, a unit was left out (as a bare headroom of 5 means 5%).
+    if flag == "--memory" and text.strip().isdigit() and 0 < size < 2**20:
+        # A bare number is bytes: a device below a MiB had its unit left out (as a bare headroom of 5 means 5%).
         number = text.strip()
         raise ConfigError(
             f"{flag} {number} has no unit and would be {number} bytes: did you mean {number}GiB or {number}MiB?"

@@ -97,6 +97,9 @@ def test_the_same_result_stored_again_keeps_its_version_and_a_new_one_does_not()
     newer = make_result(max_micro_batch=12)  # probed again: another created_at
     assert cache.put("k", StoredResult(result=newer, source="probe", stored_at=later)).version > first.version + 1
     assert cache.put("other", StoredResult(result=result, source="probe", stored_at=later)).version != first.version
+    # Two results with the same answer and as many run failures, lowered differently: their plans differ.
+    capped = newer.model_copy(update={"capped": not newer.capped})
+    assert cache.put("k", StoredResult(result=capped, source="published", stored_at=later)).version > first.version + 2
 
 
 def _request(query: bytes) -> Request:

@@ -141,7 +141,6 @@ def test_the_readme_estimate_table_reproduces() -> None:
         assert f"{change:+.1f}%".replace("-", "−") == ratio, line
 
 
-
 def test_a_prediction_at_the_curves_ceiling_is_said_to_be_a_lower_bound() -> None:
     """The timelines' curve is not followed past MAX_PREDICTED_BATCH; the search goes on from there.
     `estimate mlp --memory 9TB --overhead 0` said 'predicted 16777216' beside an answer of 257,714,840."""

@@ -112,9 +112,9 @@ def rank_main(rank: int, port: int, out: Path) -> None:
         dist.destroy_process_group()
 
 
-def mixed_rank_main(rank: int, port: int, out: Path) -> None:
-    """One rank of a mixed plan's job: rank 0 (a larger GPU) runs micro-batches of 62 and runs out
-    of memory above 40 samples; rank 1 runs 24 and never runs out."""
+def mixed_rank_main(rank: int, port: int, out: Path, sizes: tuple[int, int] = (62, 24), over: int = 40) -> None:
+    """One rank of a mixed plan's job: rank 0 (a larger GPU) runs micro-batches of `sizes[0]` and runs
+    out of memory above `over` samples; rank 1 runs `sizes[1]` and never runs out."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
@@ -123,7 +123,7 @@ def mixed_rank_main(rank: int, port: int, out: Path) -> None:
         torch.manual_seed(0)
         ddp = DistributedDataParallel(nn.Linear(4, 1))
         guard = OOMGuard(ddp)
-        size = 62 if rank == 0 else 24
+        size = sizes[rank]
         windows = [[(torch.randn(size, 4), torch.randn(size, 1))] for _ in range(2)]
         ran: list[list[int]] = []
         for window in guard.windows([b for w in windows for b in w], 1):
@@ -132,7 +132,7 @@ def mixed_rank_main(rank: int, port: int, out: Path) -> None:
             def micro_step(step, sizes=sizes):  # type: ignore[no-untyped-def]
                 x, y = step.batch
                 sizes.append(len(x))
-                if len(x) > 40:
+                if len(x) > over:
                     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
                 step.scale(nn.functional.mse_loss(ddp(x), y)).backward()
 
@@ -233,6 +233,10 @@ def test_the_ranks_of_a_mixed_plan_each_halve_their_own_micro_batch(tmp_path: Pa
     assert "out of memory" in reports[0]["events"][0][4]
     assert reports[0]["ran"] == [[62, 31, 31], [31, 31]]
     assert reports[1]["ran"] == [[24, 12, 12], [12, 12]]
+    # A rank already at one sample redoes the window as it is, and records no shrink from 1 to 1.
+    reports, outputs = _two_ranks(tmp_path, "one")
+    assert [[e[1:4] for e in r["events"]] for r in reports] == [[[8, 4, True], [4, 2, True]], []], outputs
+    assert reports[1]["ran"] == [[1, 1, 1], [1]]
 
 
 def test_the_agreement_with_one_rank(tmp_path: Path) -> None:
@@ -300,5 +304,9 @@ def test_the_agreement_with_one_rank(tmp_path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main = mixed_rank_main if sys.argv[4] == "mixed" else rank_main
-    main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))
+    if sys.argv[4] == "mixed":
+        mixed_rank_main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))
+    elif sys.argv[4] == "one":  # rank 1 at one sample already; rank 0 runs out above 2 of 8
+        mixed_rank_main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), sizes=(8, 1), over=2)
+    else:
+        rank_main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))
