@@ -11,7 +11,7 @@
     │   ├── ProbeCrashedError      the isolated child died (signal, segfault, sticky CUDA error)
     │   ├── ProbeTimeoutError      the isolated child ran past its timeout
     │   └── InsufficientMemoryError the device has less free memory than a probe needs to start
-    ├── DeviceError                a device that is missing or unusable
+    ├── DeviceError                a device that is missing or unusable (CLI exit 2: bad input here)
     ├── StoreError                 the database cannot be opened, read or written
     ├── QueueFullError             a device's probe queue is full (HTTP 429, Retry-After)
     └── ServiceError               the autotune service answered with an error (client side)
