@@ -178,11 +178,11 @@ def test_piped_output_says_a_long_step_is_still_running(
 ) -> None:
     """A step that runs long sends no new report; in a log, a line every _HEARTBEAT_SECONDS says it
     is still running, with its time so far (batch 2 hangs here until the probe's timeout)."""
-    monkeypatch.setattr(cli, "_HEARTBEAT_SECONDS", 0.5)
+    monkeypatch.setattr(cli, "_HEARTBEAT_SECONDS", 0.25)
     monkeypatch.chdir(ROOT)
-    code = cli.run(["probe", "tests.workloads:hangs", *TINY, "--no-confirm", "--timeout", "4"])
+    code = cli.run(["probe", "tests.workloads:hangs", *TINY, "--no-confirm", "--timeout", "5"])
     stderr = capsys.readouterr().err
-    assert code == 1 and "ran past its timeout of 4 s" in stderr, stderr
+    assert code == 1 and "ran past its timeout of 5 s" in stderr, stderr
     still = re.findall(r"trial +2: batch +2 step 1/2 micro-step 1/1 +(\d+\.\d\d) s \(still running\)", stderr)
     assert len(still) >= 2, stderr
     seconds = [float(s) for s in still]
