@@ -46,7 +46,9 @@ from api.security import require_token
 from api.service import Service
 from autotune import __version__
 from autotune.plan import Plan
-from autotune.results import ParallelSpec
+from autotune.registry import RegisteredWorkload
+from autotune.results import ParallelSpec, ProbeResult
+from autotune.settings import Settings
 from autotune.store import StoreError
 from autotune.store.store import StoredResult
 from autotune.units import format_bytes
@@ -196,7 +198,7 @@ def _result_row(
         precision=result.workload.precision,
         optimizer=result.workload.optimizer,
         parallel=_parallel_text(result.workload.parallel),
-        plan_query=_plan_query(name, result.workload.parallel),
+        plan_query=_plan_query(name, result, entry, svc.settings),
         source=stored.source,
         stored_at=stored.stored_at,
         trials=len(result.trials),
@@ -230,17 +232,35 @@ def _parallel_text(spec: ParallelSpec) -> str:
     return ""
 
 
-def _plan_query(workload: str, spec: ParallelSpec) -> str:
-    """The plan query a job asks this result with: its setup's fields too (without them, a query
-    is a plain job's and finds another result)."""
-    query = f"workload={workload}&effective_batch=N"
+def _plan_query(workload: str, result: ProbeResult, entry: RegisteredWorkload | None, settings: Settings) -> str:
+    """The plan query that this result answers: the workload, and every field the result was probed
+    with that a query would otherwise take from the defaults (the service's budget device size and
+    headroom, the workload's precision and optimizer, a plain job's setup). Without them a query
+    finds another result, or starts a probe. A GPU result names no device: the default, cuda:0."""
+    from autotune.probe import headroom_bytes
+
+    fields = [f"workload={workload}", "effective_batch=N"]
+    budget = result.budget_bytes
+    if result.device.kind == "cpu-budget":
+        fields.append("device=cpu")
+        if budget != settings.cpu_memory:
+            fields.append(f"memory={budget}")
+    elif result.budget_policy == "memory":
+        fields.append(f"memory={budget}")
+    if result.headroom_bytes != headroom_bytes(budget, settings.headroom):
+        fields.append(f"headroom={result.headroom_bytes}B" if result.headroom_bytes else "headroom=0")
+    if entry is None or result.workload.precision != entry.precision:
+        fields.append(f"precision={result.workload.precision}")
+    if entry is None or result.workload.optimizer.lower() != entry.optimizer.lower():
+        fields.append(f"optimizer={result.workload.optimizer.lower()}")
+    spec = result.workload.parallel
     if spec.strategy != "none":
-        query += f"&parallel={spec.strategy}"
+        fields.append(f"parallel={spec.strategy}")
     if spec.strategy == "fsdp":
-        query += f"&world_size={spec.world_size}"
+        fields.append(f"world_size={spec.world_size}")
         if not spec.reshard_after_forward:
-            query += "&reshard_after_forward=false"
-    return query
+            fields.append("reshard_after_forward=false")
+    return "&".join(fields)
 
 
 def _plan_row(source: str, made: Plan) -> PlanRow:

@@ -267,33 +267,36 @@ def test_text_users_wrote_cannot_put_markup_on_the_page(tmp_path: Path) -> None:
 
 
 def test_a_result_says_what_a_rank_was_probed_in_and_how_to_ask_for_its_plan(tmp_path: Path) -> None:
-    """A plain result and an FSDP2 one of the same workload: only the setup tells them apart, and
-    a plan query without it finds the plain one."""
+    """A plain result, an FSDP2 one and one probed with another budget and no headroom, all of one
+    workload: the page tells them apart, and each one's no-plan hint, asked with a number, is
+    answered by that result (a query without its fields finds another result, or starts a probe)."""
     from autotune.results import ParallelSpec
 
     plain = make_result(max_micro_batch=10, max_batch_cap=16)
     spec = ParallelSpec(strategy="fsdp", world_size=4, reshard_after_forward=False)
     ref = plain.workload.model_copy(update={"parallel": spec})
     sharded = make_result(max_micro_batch=14, max_batch_cap=16, workload=ref)
-    assert sharded.fingerprint != plain.fingerprint
+    other = make_result(max_micro_batch=12, max_batch_cap=16, total_bytes=8 * 2**20, headroom_bytes=0)
+    assert len({plain.fingerprint, sharded.fingerprint, other.fingerprint}) == 3
 
     async def body(client: httpx.AsyncClient) -> None:
-        for result in (plain, sharded):
+        for result in (plain, sharded, other):
             published = await client.post("/v1/results", json=result.model_dump(mode="json"))
             assert published.status_code == 201, published.text
         text = html.unescape((await client.get("/")).text)
         articles = re.findall(r'<article class="result".*?</article>', text, re.S)
-        assert len(articles) == 2
-        fsdp = next(a for a in articles if ">14<" in a)
-        plain_article = next(a for a in articles if ">10<" in a)
+        assert len(articles) == 3
+        by_answer = {int(re.search(r'max-micro-batch">(\d+)<', a).group(1)): a for a in articles}  # type: ignore[union-attr]
+        fsdp = by_answer[14]
         assert "per rank of a 4-rank FSDP2 job (per-block, gathered parameters kept for backward)" in fsdp
-        query = "workload=tiny&effective_batch=N&parallel=fsdp&world_size=4&reshard_after_forward=false"
-        assert f"GET /v1/plan?{query}" in fsdp
-        assert "Parallel" not in plain_article and "GET /v1/plan?workload=tiny&effective_batch=N<" in plain_article
-        # The hints' queries, with a number, answer with their results.
-        for hint, answer in ((query, 14), ("workload=tiny&effective_batch=N", 10)):
+        assert "Parallel" not in by_answer[10] and "Parallel" not in by_answer[12]
+        hints = {answer: re.search(r"GET /v1/plan\?(\S+)</code>", a).group(1) for answer, a in by_answer.items()}  # type: ignore[union-attr]
+        assert hints[10] == "workload=tiny&effective_batch=N&device=cpu"
+        assert hints[14].endswith("&parallel=fsdp&world_size=4&reshard_after_forward=false")
+        assert hints[12] == f"workload=tiny&effective_batch=N&device=cpu&memory={8 * 2**20}&headroom=0"
+        for answer, hint in hints.items():
             asked = await client.get("/v1/plan?" + hint.replace("=N", "=112"))
-            assert asked.status_code == 200, asked.text
-            assert asked.json()["max_micro_batch"] == answer
+            assert asked.status_code == 200, (hint, asked.text)
+            assert asked.json()["max_micro_batch"] == answer, hint
 
     _run(tmp_path, WORKLOADS_TOML, body, _no_nvml)
