@@ -574,16 +574,17 @@ def _run_with_progress(request: ProbeRequest, in_process: bool, timeout: float) 
             on_progress=on_progress,
         )
 
-    def say(line: str) -> None:
-        # A Text, not markup=False: print's options would reach the live table's markup as well.
-        err.print(Text(line), highlight=False)
-
     # Piped: the step running and when its report came (a step can run for minutes with no new
     # report, and a log that stops moving looks like a hang), when a line was last said, and a lock
     # that keeps the heartbeat's line from naming a step that has just ended.
     latest: list[tuple[TrialProgress, float] | None] = [None]
     said = [time.monotonic()]
     saying = threading.Lock()
+
+    def say(line: str) -> None:
+        # A Text, not markup=False: print's options would reach the live table's markup as well.
+        err.print(Text(line), highlight=False)
+        said[0] = time.monotonic()
 
     def confirming(t: TrialRecord) -> None:
         with saying:
@@ -595,7 +596,6 @@ def _run_with_progress(request: ProbeRequest, in_process: bool, timeout: float) 
                 f"confirm: batch {t.batch} in a fresh process ({loop} per optimizer step): {verdict}, "
                 f"peak {format_bytes(t.peak_reserved_bytes)}, {t.seconds:.2f} s"
             )
-            said[0] = time.monotonic()
 
     def run_and_show() -> ProbeResult:
         if not err.is_terminal:
@@ -609,7 +609,6 @@ def _run_with_progress(request: ProbeRequest, in_process: bool, timeout: float) 
                         f"trial {len(view.trials) + 1:3d}: batch {t.batch:6d} x{t.micro_steps} {verdict} "
                         f"peak {format_bytes(t.peak_reserved_bytes):>10} {t.seconds:6.2f} s"
                     )
-                    said[0] = time.monotonic()
                     view.trial(t)
 
             def log_progress(p: TrialProgress) -> None:
@@ -619,7 +618,7 @@ def _run_with_progress(request: ProbeRequest, in_process: bool, timeout: float) 
                     now = time.monotonic()
                     latest[0] = (p, now)
                     if p.first or now - logged >= _LOG_INTERVAL_SECONDS:
-                        logged = said[0] = now
+                        logged = now
                         say(_progress_line(p, len(view.trials) + 1))
 
             def heartbeat() -> None:
@@ -629,7 +628,6 @@ def _run_with_progress(request: ProbeRequest, in_process: bool, timeout: float) 
                         if running is not None and now - said[0] >= _HEARTBEAT_SECONDS:
                             p, received = running
                             still = p.model_copy(update={"seconds": p.seconds + now - received})
-                            said[0] = now
                             say(_progress_line(still, len(view.trials) + 1) + " (still running)")
 
             stopped = threading.Event()

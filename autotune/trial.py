@@ -270,7 +270,7 @@ class TrialRunner:
         """Return the device to its state before the trial: no grads, original weights, no cache."""
         for p in self.model.parameters():
             p.grad = None
-        parallel.after_failed_step(self.model)
+        parallel.after_failed_step(self.model)  # after a trial that ended, a no-op
         with torch.no_grad():
             for tensor, saved in zip(self._state, self._snapshot, strict=True):
                 tensor.copy_(saved)

@@ -139,7 +139,7 @@ def after_failed_step(model: nn.Module) -> None:
     process group is replaced)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    reset = getattr(getattr(model, "reducer", None), "_reset_state", None)  # private: present in 2.2 to 2.13
+    reset = getattr(getattr(model, "reducer", None), "_reset_state", None)  # private: present in torch 2.13
     if isinstance(model, DistributedDataParallel) and callable(reset):
         reset()
 
