@@ -13,8 +13,8 @@
     metrics.py    Prometheus metrics
     server.py     `autotune serve`
 
-Storage is `autotune.store`, request keys `autotune.probekey`, the workload registry
-`autotune.registry`: none of them imports a web framework, so the client side can use them.
+Storage is `autotune.store`, request keys `autotune.workloads.probekey`, the workload registry
+`autotune.workloads.registry`: none of them imports a web framework, so the client side can use them.
 """
 
 from api.app import create_app

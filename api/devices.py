@@ -1,6 +1,6 @@
 """The node's devices as requests name them: `cpu` (the budget device) and `cuda:N`.
 
-The service reads GPUs through NVML only (`autotune.nvml.inventory`): the server process never
+The service reads GPUs through NVML only (`autotune.devices.nvml.inventory`): the server process never
 initializes CUDA, since its probes run in children that each open the GPU for themselves. NVML
 numbers GPUs in PCI order and ignores CUDA_VISIBLE_DEVICES, so `cuda:N` is worked out here the
 way CUDA will number the devices in a probe child: the GPUs CUDA_VISIBLE_DEVICES names (indices or
@@ -20,9 +20,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from autotune.engine.probe import parse_device
 from autotune.errors import ConfigError, DeviceError
-from autotune.probe import parse_device
-from autotune.probekey import DeviceKey
+from autotune.workloads.probekey import DeviceKey
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +54,9 @@ class InventorySnapshot:
 
 
 def read_inventory() -> Any:
-    """`autotune.nvml.inventory()`, or an object saying why there is none."""
+    """`autotune.devices.nvml.inventory()`, or an object saying why there is none."""
     try:
-        from autotune import nvml
+        from autotune.devices import nvml
     except ImportError as exc:
         return _Unavailable(f"the NVML inventory module cannot be imported: {exc}")
     return nvml.inventory()

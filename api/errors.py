@@ -40,8 +40,8 @@ from starlette.exceptions import HTTPException
 from api import security
 from api.devices import NoDeviceError
 from autotune.errors import AutotuneError, ConfigError, DeviceError, QueueFullError
-from autotune.registry import UnknownWorkloadError
 from autotune.store import StoreError
+from autotune.workloads.registry import UnknownWorkloadError
 
 log = logging.getLogger(__name__)
 _MAX_TEXT = 200

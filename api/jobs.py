@@ -5,7 +5,7 @@ nodes share them; one probe at a time per device, whoever runs it.
 or active job, or creates a queued one (the store's uniqueness rule, not this process, decides
 between concurrent requests). Every device of this node has a worker thread in every server
 process: it claims the oldest queued job of its (node, device) when it holds the device's lease,
-runs it through `autotune.confirm.probe_and_confirm` (an isolated child with the timeout, then the
+runs it through `autotune.engine.confirm.probe_and_confirm` (an isolated child with the timeout, then the
 fresh-process confirmation) while a heartbeat renews the lease, and finishes it in one
 transaction. A worker whose process dies stops heartbeating: the next claim on that device fails
 its job as interrupted (at once when the dead process was on this host), and queued jobs wait
@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 from api.cache import ResultCache
 from api.metrics import Metrics, outcome_label
+from autotune.engine.probe import ProbeRequest
 from autotune.errors import AutotuneError
-from autotune.probe import ProbeRequest
 from autotune.results import ProbeResult, TrialRecord
 from autotune.store import (
     INTERRUPTED,
@@ -74,7 +74,7 @@ class _Running:
 
 
 def _default_runner(request: ProbeRequest, timeout: float, on_trial: Callable[[TrialRecord], None]) -> ProbeResult:
-    from autotune.confirm import probe_and_confirm
+    from autotune.engine.confirm import probe_and_confirm
 
     return probe_and_confirm(request, timeout=timeout, on_trial=on_trial)
 

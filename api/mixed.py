@@ -32,10 +32,10 @@ from api.schemas import (
 )
 from api.service import MAX_ACCUMULATION_STEPS, Service
 from autotune.errors import ConfigError, PlanError
-from autotune.mixed import Group, MixedPlan, mixed_plan
-from autotune.probekey import DeviceKey, key_for_request
-from autotune.registry import RegisteredWorkload, UnknownWorkloadError
+from autotune.plans.mixed import Group, MixedPlan, mixed_plan
 from autotune.units import format_bytes
+from autotune.workloads.probekey import DeviceKey, key_for_request
+from autotune.workloads.registry import RegisteredWorkload, UnknownWorkloadError
 
 _LOCAL = re.compile(DEVICE_PATTERN)
 

@@ -1,6 +1,6 @@
 """The service's wire format: request bodies and responses, as served in the OpenAPI document.
 
-Result documents are `autotune.results.ProbeResult` unchanged, plans are `autotune.plan.Plan`.
+Result documents are `autotune.results.ProbeResult` unchanged, plans are `autotune.plans.plan.Plan`.
 Sizes accept a byte count or a string with a unit ("512MiB"); headroom a fraction (0.05), a
 percentage ("5%") or a size ("2GiB"). Every field is bounded: a request is either valid and
 cheap to serve, or a 422 naming the field.
@@ -22,13 +22,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
 from autotune.errors import ConfigError
-from autotune.mixed import MixedPlan, Mode
-from autotune.plan import Plan, Policy
-from autotune.registry import NAME_PATTERN
+from autotune.plans.mixed import MixedPlan, Mode
+from autotune.plans.plan import Plan, Policy
 from autotune.request import parallel_spec
 from autotune.results import ParallelSpec, ProbeResult, TrialRecord
 from autotune.store import JobError, JobStatus
 from autotune.units import parse_headroom, parse_size
+from autotune.workloads.registry import NAME_PATTERN
 
 MAX_BATCH = 2**20  # samples: more than any micro-batch or effective batch we have seen asked for
 MAX_STEPS = 20  # training steps per trial: 2 reach the steady state, a few more smooth timings

@@ -19,9 +19,9 @@ import socket
 import tempfile
 
 from autotune.errors import ConfigError, StoreError
-from autotune.registry import load_registry
 from autotune.settings import get_settings
 from autotune.store import Store
+from autotune.workloads.registry import load_registry
 
 
 def preflight() -> None:

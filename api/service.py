@@ -29,14 +29,14 @@ from api.devices import DeviceCatalog, read_inventory
 from api.jobs import ProbeManager, Runner
 from api.metrics import Metrics
 from api.schemas import PlanView, ProbeView
+from autotune.engine.probe import ProbeRequest
 from autotune.errors import PlanError
-from autotune.plan import Plan, Policy, plan
-from autotune.probe import ProbeRequest
-from autotune.probekey import ProbeKey, key_for_request
-from autotune.registry import RegisteredWorkload, Registry, load_registry
+from autotune.plans.plan import Plan, Policy, plan
 from autotune.results import ParallelSpec, ProbeResult
 from autotune.settings import Settings
 from autotune.store import JobRecord, Store, StoredResult, StoreError, Submitted
+from autotune.workloads.probekey import ProbeKey, key_for_request
+from autotune.workloads.registry import RegisteredWorkload, Registry, load_registry
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class Service:
     ) -> None:
         self.settings = settings
         self.registry: Registry = load_registry(settings.workloads)
-        # Reads NVML (`autotune.nvml.inventory`); tests pass a stand-in.
+        # Reads NVML (`autotune.devices.nvml.inventory`); tests pass a stand-in.
         self.read_inventory: Callable[[], Any] = inventory or read_inventory
         self.devices = DeviceCatalog(
             self.read_inventory(),

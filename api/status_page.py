@@ -45,13 +45,13 @@ from api.schemas import PlanView, ProbeView
 from api.security import require_token
 from api.service import Service
 from autotune import __version__
-from autotune.plan import Plan
-from autotune.registry import RegisteredWorkload
+from autotune.plans.plan import Plan
 from autotune.results import ParallelSpec, ProbeResult
 from autotune.settings import Settings
 from autotune.store import StoreError
 from autotune.store.store import StoredResult
 from autotune.units import format_bytes
+from autotune.workloads.registry import RegisteredWorkload
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ def _plan_query(workload: str, result: ProbeResult, entry: RegisteredWorkload | 
     with that a query would otherwise take from the defaults (the service's budget device size and
     headroom, the workload's precision and optimizer, a plain job's setup). Without them a query
     finds another result, or starts a probe. A GPU result names no device: the default, cuda:0."""
-    from autotune.probe import headroom_bytes
+    from autotune.units import headroom_bytes
 
     fields = [f"workload={workload}", "effective_batch=N"]
     budget = result.budget_bytes

@@ -52,9 +52,9 @@ from api.schemas import (
 )
 from api.security import check_token, require_token
 from api.service import Resolved, Service, check_plan
-from autotune.probekey import key_from_result, result_model_problems
-from autotune.registry import UnknownWorkloadError
 from autotune.results import SCHEMA_VERSION, ProbeResult, RunFailure
+from autotune.workloads.probekey import key_from_result, result_model_problems
+from autotune.workloads.registry import UnknownWorkloadError
 
 _JOB_ID = re.compile(JOB_ID_PATTERN)
 _FINGERPRINT = re.compile(FINGERPRINT_PATTERN)

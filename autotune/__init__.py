@@ -1,14 +1,14 @@
 """autotune: find the largest micro-batch that fits, exactly, and plan gradient accumulation.
 
 Public API:
-    Workload, Precision            define what a trial runs (autotune.workload)
-    ProbeRequest, run_probe        probe in this process (autotune.probe)
+    Workload, Precision            define what a trial runs (autotune.workloads.workload)
+    ProbeRequest, run_probe        probe in this process (autotune.engine.probe)
     probe_workload                 probe a Workload object (live objects: Workload.from_model) here
-    run_isolated                   probe in a fresh child interpreter with a timeout (autotune.isolation)
-    plan, Plan, Policy             accumulation plans (autotune.plan)
-    probe_and_confirm              probe, then confirm in fresh processes (autotune.confirm)
-    accumulate, MicroStep, AcrossRanks  loss weights and optimizer steps in the loop (autotune.accumulate)
-    OOMGuard                       accumulation that survives an OOM, gradient unchanged (autotune.accumulate)
+    run_isolated                   probe in a fresh child interpreter with a timeout (autotune.engine.isolation)
+    plan, Plan, Policy             accumulation plans (autotune.plans.plan)
+    probe_and_confirm              probe, then confirm in fresh processes (autotune.engine.confirm)
+    accumulate, MicroStep, AcrossRanks  loss weights and optimizer steps in the loop (autotune.plans.accumulate)
+    OOMGuard                       accumulation that survives an OOM, gradient unchanged (autotune.plans.accumulate)
     ProbeResult, TrialRecord, LoopShape  what a probe reports (autotune.results)
 
 The names that need torch (Workload, Precision, ProbeRequest, run_probe, run_isolated,
@@ -22,18 +22,18 @@ __version__ = "0.1.0"
 import importlib
 from typing import Any
 
-from autotune.accumulate import AcrossRanks, MicroStep, OOMGuard, accumulate
-from autotune.plan import Plan, Policy, plan
+from autotune.plans.accumulate import AcrossRanks, MicroStep, OOMGuard, accumulate
+from autotune.plans.plan import Plan, Policy, plan
 from autotune.results import LoopShape, ProbeResult, TrialRecord
 
 _LAZY = {
-    "Workload": "autotune.workload",
-    "Precision": "autotune.workload",
-    "ProbeRequest": "autotune.probe",
-    "run_probe": "autotune.probe",
-    "run_isolated": "autotune.isolation",
-    "probe_and_confirm": "autotune.confirm",
-    "probe_workload": "autotune.probe",
+    "Workload": "autotune.workloads.workload",
+    "Precision": "autotune.workloads.workload",
+    "ProbeRequest": "autotune.engine.probe",
+    "run_probe": "autotune.engine.probe",
+    "run_isolated": "autotune.engine.isolation",
+    "probe_and_confirm": "autotune.engine.confirm",
+    "probe_workload": "autotune.engine.probe",
 }
 
 

@@ -36,9 +36,9 @@ from typing import Any, Literal
 import httpx
 
 from autotune import errors
-from autotune.accumulate import ShrinkEvent
-from autotune.mixed import MixedPlan
-from autotune.plan import Plan, Policy, parse_policy
+from autotune.plans.accumulate import ShrinkEvent
+from autotune.plans.mixed import MixedPlan
+from autotune.plans.plan import Plan, Policy, parse_policy
 from autotune.results import ProbeResult
 
 log = logging.getLogger(__name__)
@@ -321,10 +321,10 @@ class AutotuneClient:
         policy: Policy,
         options: dict[str, Any],
     ) -> Plan:
-        from autotune.confirm import probe_and_confirm
-        from autotune.probe import ProbeRequest
-        from autotune.registry import load_registry
+        from autotune.engine.confirm import probe_and_confirm
+        from autotune.engine.probe import ProbeRequest
         from autotune.settings import get_settings
+        from autotune.workloads.registry import load_registry
 
         settings = get_settings()
         entry = load_registry(self._workloads_file or settings.workloads).get(workload)

@@ -51,7 +51,7 @@ class FlatMemoryError(WorkloadError):
 
 
 class DoubleScalingError(ConfigError):
-    """autotune.accumulate's loss weights combined with a framework that divides the loss again."""
+    """autotune.plans.accumulate's loss weights combined with a framework that divides the loss again."""
 
 
 class PlanError(ConfigError):

@@ -2,9 +2,9 @@
 
 `ProbeRequest` is everything a probe needs: the CLI builds one from its flags, the service from a
 request body, and the isolated child receives one over a pipe. It lives here, apart from
-`autotune.probe` (which imports torch), so that the caller of an isolated probe never imports
+`autotune.engine.probe` (which imports torch), so that the caller of an isolated probe never imports
 torch or the user's workload: the child does, once (the command line's parent used to import both
-to validate the target, then the child imported them again). `autotune.probe` re-exports all of it.
+to validate the target, then the child imported them again). `autotune.engine.probe` re-exports all of it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from autotune.errors import ConfigError, WorkloadError
-from autotune.plan import Policy, plan_for_loops
+from autotune.plans.plan import Policy, plan_for_loops
 from autotune.results import ParallelSpec, ProbeResult, TrialRecord
 from autotune.units import parse_headroom, parse_size
 
@@ -112,14 +112,14 @@ def parse_device(spec: str) -> tuple[str, int]:
     raise ConfigError(f"unknown device {spec!r}: use cuda, cuda:N or cpu")
 
 
-# The built-in examples' names (autotune.examples.EXAMPLES, which imports torch; a test keeps them equal).
+# The built-in examples' names (autotune.workloads.examples.EXAMPLES, which imports torch; a test keeps them equal).
 EXAMPLE_NAMES = ("cnn", "gpt", "mlp")
 
 
 def check_target(target: str) -> None:
     """Refuse what can be known wrong of a target without importing anything: an unknown built-in
     example, a malformed module:attribute, a top-level module that is nowhere on the path (the
-    same messages as `autotune.workload.resolve`, which finds the rest when it imports)."""
+    same messages as `autotune.workloads.targets.resolve`, which finds the rest when it imports)."""
     if ":" not in target:
         if target not in EXAMPLE_NAMES:
             names = ", ".join(EXAMPLE_NAMES)

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
-from autotune.plan import Plan, Policy, plan_for_loops
+from autotune.plans.plan import Plan, Policy, plan_for_loops
 
 # 2: trials run the job's loop (micro-steps, prefetch); `max_micro_batch` holds with accumulation,
 # `max_micro_batch_without_accumulation` for one micro-step; fresh-process `confirmation`.

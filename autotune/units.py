@@ -89,3 +89,10 @@ def format_bytes(n: int | float | None) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def headroom_bytes(budget_bytes: int, headroom: float | int) -> int:
+    """The bytes a headroom keeps free: a float is a fraction of the budget, an int a byte count."""
+    if isinstance(headroom, float):
+        return int(budget_bytes * headroom)
+    return int(headroom)

@@ -95,7 +95,7 @@ def real_job(
 
 def simulate(request: dict[str, Any]) -> Any:
     """The one-device probe's result (in this process: its fake or one-rank group is replaced per setup)."""
-    from autotune.probe import ProbeRequest, run_probe
+    from autotune.engine.probe import ProbeRequest, run_probe
 
     return run_probe(ProbeRequest(**request))
 

@@ -32,11 +32,11 @@ def main() -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
     )
-    from autotune.budget import BudgetDevice
+    from autotune.devices.budget import BudgetDevice
+    from autotune.engine.probe import ProbeRequest, load_workload
+    from autotune.engine.trial import TrialRunner
     from autotune.parallel.fsdp import shard
-    from autotune.probe import ProbeRequest, load_workload
     from autotune.results import LoopShape
-    from autotune.trial import TrialRunner
 
     request = ProbeRequest.model_validate(job["request"])
     workload = load_workload(request.model_copy(update={"parallel": "none", "world_size": 1}))

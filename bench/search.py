@@ -53,14 +53,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from autotune import gpu, oom  # noqa: E402
-from autotune.budget import BudgetDevice  # noqa: E402
+from autotune.devices import cuda as gpu  # noqa: E402
+from autotune.devices.budget import BudgetDevice  # noqa: E402
+from autotune.engine import oom  # noqa: E402
+from autotune.engine.estimate import estimate  # noqa: E402
+from autotune.engine.predict import predicted_search  # noqa: E402
+from autotune.engine.search import search  # noqa: E402
+from autotune.engine.trial import ProbeDevice, TrialRunner  # noqa: E402
 from autotune.errors import NothingFitsError  # noqa: E402
-from autotune.estimate import estimate  # noqa: E402
-from autotune.predict import predicted_search  # noqa: E402
-from autotune.search import search  # noqa: E402
-from autotune.trial import ProbeDevice, TrialRunner  # noqa: E402
-from autotune.workload import Workload, resolve  # noqa: E402
+from autotune.workloads.targets import resolve  # noqa: E402
+from autotune.workloads.workload import Workload  # noqa: E402
 
 MIB = 2**20
 STEPS = 2

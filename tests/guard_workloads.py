@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from autotune.workload import Workload
+from autotune.workloads.workload import Workload
 
 
 def flat(width: int = 16) -> Workload:

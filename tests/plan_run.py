@@ -15,8 +15,8 @@ import sys
 
 import torch
 
-from autotune.budget import BudgetDevice
-from autotune.workload import resolve
+from autotune.devices.budget import BudgetDevice
+from autotune.workloads.targets import resolve
 
 
 def run(job: dict) -> dict:  # type: ignore[type-arg]

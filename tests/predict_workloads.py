@@ -7,7 +7,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from autotune.workload import Workload
+from autotune.workloads.workload import Workload
 
 
 class _Net(nn.Module):

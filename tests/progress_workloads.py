@@ -8,16 +8,16 @@ import time
 import torch
 from torch import nn
 
-from autotune.workload import Workload
+from autotune.workloads.workload import Workload
 
 
 def _in_confirmation() -> bool:
     spec = getattr(sys.modules["__main__"], "__spec__", None)
-    return getattr(spec, "name", None) == "autotune.confirm"
+    return getattr(spec, "name", None) == "autotune.engine.confirm"
 
 
 def hangs_when_confirmed() -> Workload:
-    """Fits in the probe; hangs in its fresh-process confirmation (`python -m autotune.confirm`)."""
+    """Fits in the probe; hangs in its fresh-process confirmation (`python -m autotune.engine.confirm`)."""
 
     def batch(b: int, device: torch.device) -> torch.Tensor:
         if _in_confirmation():

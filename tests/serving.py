@@ -255,9 +255,9 @@ def make_result(
     result = ProbeResult(**document)
     import torch  # the rest builds the model on the meta device, as the service's check does
 
-    from autotune import fingerprint as fp
     from autotune.errors import WorkloadError
-    from autotune.workload import resolve
+    from autotune.workloads import fingerprint as fp
+    from autotune.workloads.targets import resolve
 
     try:
         workload = resolve(result.workload.target, result.workload.options)

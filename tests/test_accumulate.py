@@ -22,7 +22,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import autotune
-from autotune.accumulate import (
+from autotune.errors import ConfigError
+from autotune.plans.accumulate import (
     AcrossRanks,
     MicroStep,
     accumulate,
@@ -30,7 +31,6 @@ from autotune.accumulate import (
     mean_loss_weights,
     sum_loss_weight,
 )
-from autotune.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 11

@@ -16,8 +16,8 @@ from starlette.requests import Request
 from api import create_app, v1
 from api.cache import PlotCache, ResultCache
 from api.schemas import PlanQuery
+from autotune.engine.probe import ProbeRequest, run_probe
 from autotune.plot import render_plot
-from autotune.probe import ProbeRequest, run_probe
 from autotune.results import ProbeResult, RunFailure
 from autotune.settings import Settings
 from autotune.store import StoredResult

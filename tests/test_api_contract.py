@@ -67,8 +67,8 @@ import pytest
 from fastapi import FastAPI
 
 from api import create_app, errors
+from autotune.engine.probe import ProbeRequest
 from autotune.errors import ProbeError, QueueFullError
-from autotune.probe import ProbeRequest
 from autotune.results import ProbeResult, TrialRecord
 from autotune.settings import Settings
 from tests.serving import ROOT, WORKLOADS_TOML, Server, make_result, running_server

@@ -19,10 +19,11 @@ import pytest
 
 from api import create_app
 from api.devices import snapshot
-from autotune import nvml
-from autotune.probe import ProbeRequest, headroom_bytes
+from autotune.devices import nvml
+from autotune.engine.probe import ProbeRequest
 from autotune.results import DeviceInfo, LoopShape, ProbeResult, TrialRecord, Versions, WorkloadRef
 from autotune.settings import Settings
+from autotune.units import headroom_bytes
 from tests.nvml_standin import FakeGpu, FakeNvml
 from tests.serving import WORKLOADS_TOML, make_result
 

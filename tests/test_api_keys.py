@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from autotune.engine.probe import ProbeRequest, run_probe
 from autotune.errors import ConfigError
-from autotune.probe import ProbeRequest, run_probe
-from autotune.probekey import DeviceKey, key_for_request, key_from_result, result_model_problems
-from autotune.registry import Registry, UnknownWorkloadError, load_registry
+from autotune.workloads.probekey import DeviceKey, key_for_request, key_from_result, result_model_problems
+from autotune.workloads.registry import Registry, UnknownWorkloadError, load_registry
 from tests.serving import WORKLOADS_TOML, make_result
 
 MiB = 2**20

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from autotune.registry import load_registry
 from autotune.settings import Settings
+from autotune.workloads.registry import load_registry
 from tests.serving import ROOT, free_port, metric, start_server
 
 SECTION = re.search(r"^## The service\n(.*?)(?=^## )", (ROOT / "README.md").read_text(), re.S | re.M)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from autotune.accumulate import ShrinkEvent
 from autotune.client import AutotuneClient
+from autotune.plans.accumulate import ShrinkEvent
 from tests.serving import make_result, running_server, start_server
 
 TINY = {"in_features": 64, "hidden": 64, "layers": 1, "classes": 10}

@@ -13,14 +13,14 @@ import torch
 from torch.optim import optimizer as optimizer_module
 
 from autotune import cli
-from autotune.budget import BudgetDevice, rounded
-from autotune.examples import mlp
-from autotune.gpu import CudaDevice
+from autotune.devices.budget import BudgetDevice, rounded
+from autotune.devices.cuda import CudaDevice
+from autotune.engine.probe import ProbeRequest, run_probe
+from autotune.engine.trial import TrialRunner
 from autotune.plot import render_plot, write_plot
-from autotune.probe import ProbeRequest, run_probe
 from autotune.results import LoopShape, MemoryBreakdown, ProbeResult
-from autotune.trial import TrialRunner
-from autotune.workload import Workload
+from autotune.workloads.examples import mlp
+from autotune.workloads.workload import Workload
 from tests.serving import make_result
 
 ROOT = Path(__file__).resolve().parent.parent

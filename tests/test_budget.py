@@ -7,8 +7,8 @@ import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from autotune.budget import BudgetDevice, rounded
-from autotune.examples import EXAMPLES
+from autotune.devices.budget import BudgetDevice, rounded
+from autotune.workloads.examples import EXAMPLES
 
 
 def _two_steps(name: str, batch_size: int) -> tuple[int, int]:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autotune.budget import BudgetDevice
+from autotune.devices.budget import BudgetDevice
 
 WORLD = 4
 WIDTH = 512
@@ -81,7 +81,7 @@ def test_a_gpus_count_of_sharded_parameters_is_their_local_shards(mesh: object) 
     first trial); its local shard is what the rank holds."""
     from torch.distributed.fsdp import fully_shard
 
-    from autotune.gpu import _block_bytes
+    from autotune.devices.cuda import _block_bytes
 
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
     assert _block_bytes(model.parameters()) == PARAMETER_BYTES

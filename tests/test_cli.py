@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from autotune.plan import Plan
+from autotune.plans.plan import Plan
 from autotune.results import ProbeResult
 
 AUTOTUNE = str(Path(sys.executable).parent / "autotune")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from autotune import __version__, cli
-from autotune.plan import plan
+from autotune.plans.plan import plan
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -354,7 +354,7 @@ def test_help_and_bad_input_import_no_torch() -> None:
         "from autotune.cli import run\n"
         "codes = [run(a) for a in (['--help'], ['--version'], ['probe', '-h'], ['probe', 'mlp', '--timeout', 'nan'],"
         " ['plan', '--effective-batch', '100', '--max-micro-batch', '17'], ['serve', '--port', '70000'])]\n"
-        "print(codes, 'torch' in sys.modules, 'autotune.probe' in sys.modules)\n"
+        "print(codes, 'torch' in sys.modules, 'autotune.engine.probe' in sys.modules)\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -507,8 +507,8 @@ def test_the_budget_device_without_device_flag(
 
 
 def test_the_built_in_names_are_known_without_torch() -> None:
-    from autotune.examples import EXAMPLES
     from autotune.request import EXAMPLE_NAMES
+    from autotune.workloads.examples import EXAMPLES
 
     assert tuple(sorted(EXAMPLES)) == EXAMPLE_NAMES
 

@@ -16,7 +16,7 @@ import pytest
 
 from autotune import errors
 from autotune.client import AutotuneClient
-from autotune.plan import Policy, plan
+from autotune.plans.plan import Policy, plan
 from tests.serving import ROOT, WORKLOADS_TOML, Server, free_port, make_result, metric, running_server
 
 PLAN = plan(64, 16).model_dump(mode="json")
@@ -251,12 +251,12 @@ def test_plan_against_a_real_server_waits_for_the_probe(server: Server) -> None:
 def test_a_real_server_refuses_a_device_it_lacks_and_the_client_does_not_probe_locally(
     server: Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import autotune.confirm
+    import autotune.engine.confirm
 
     def no_probe(*_args: object, **_kwargs: object) -> None:
         raise AssertionError("probed locally for a device the service's node does not have")
 
-    monkeypatch.setattr(autotune.confirm, "probe_and_confirm", no_probe)
+    monkeypatch.setattr(autotune.engine.confirm, "probe_and_confirm", no_probe)
     sleeps: list[float] = []
     with AutotuneClient(server.url, sleep=sleeps.append) as client:
         with pytest.raises(errors.NoSuchDeviceError, match="no device cuda:5") as info:

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from autotune.confirm import checks_for, probe_and_confirm
-from autotune.probe import ProbeRequest
+from autotune.engine.confirm import checks_for, probe_and_confirm
+from autotune.engine.probe import ProbeRequest
 
 HUNGRY = "tests.workloads:fresh_process_hungry"
 
@@ -35,7 +35,7 @@ def test_no_confirm_says_the_answer_is_unconfirmed() -> None:
 
 
 def test_what_is_confirmed_is_what_the_plan_runs() -> None:
-    from autotune.probe import run_probe, with_plan
+    from autotune.engine.probe import run_probe, with_plan
 
     base = ProbeRequest(target=HUNGRY, device="cpu", memory="1MiB", headroom=0, confirm_steps=4)
     result = run_probe(base)
@@ -60,7 +60,7 @@ def test_what_is_confirmed_is_what_the_plan_runs() -> None:
 def test_lowering_the_one_micro_step_answer_confirms_the_accumulation_answer_in_its_loop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from autotune.probe import run_probe
+    from autotune.engine.probe import run_probe
 
     monkeypatch.setenv("AUTOTUNE_TEST_PROBE_PID", str(os.getpid()))
     base = ProbeRequest(target=HUNGRY, device="cpu", memory="1MiB", headroom=0)

@@ -296,7 +296,7 @@ def test_dockerignore_sends_only_what_the_image_needs() -> None:
     for copy in (i for i in dockerfile.instructions() if i.keyword == "COPY"):
         for source in copy.text.split()[:-1]:
             assert not _ignored(source, patterns), f"COPY {source} is excluded by .dockerignore"
-    for kept in ("autotune/nvml.py", "api/app.py", "pyproject.toml", "README.md", "docker/constraints.txt"):
+    for kept in ("autotune/devices/nvml.py", "api/app.py", "pyproject.toml", "README.md", "docker/constraints.txt"):
         assert not _ignored(kept, patterns), kept
     for dropped in (
         ".git/HEAD",

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from autotune.engine.estimate import CUDA_OVERHEAD_BYTES, EstimateResult, estimate, fake_model
+from autotune.engine.probe import ProbeRequest, run_probe
 from autotune.errors import ConfigError, WorkloadError
-from autotune.estimate import CUDA_OVERHEAD_BYTES, EstimateResult, estimate, fake_model
-from autotune.probe import ProbeRequest, run_probe
-from autotune.workload import Workload
+from autotune.workloads.workload import Workload
 
 MIB = 2**20
 AUTOTUNE = str(Path(sys.executable).parent / "autotune")
@@ -82,7 +82,7 @@ def test_a_step_that_reads_values_is_a_clear_error(monkeypatch: pytest.MonkeyPat
     workload = Workload(
         build_model=lambda: nn.Linear(8, 8), make_batch=lambda b, d: torch.randn(b, 8, device=d), loss=loss
     )
-    monkeypatch.setattr("autotune.estimate.resolve", lambda target, options=None: workload)
+    monkeypatch.setattr("autotune.engine.estimate.resolve", lambda target, options=None: workload)
     with pytest.raises(WorkloadError, match="reads tensor values"):
         estimate("reads-values", 64 * MIB, overhead_bytes=0)
 
@@ -145,7 +145,7 @@ def test_a_prediction_at_the_curves_ceiling_is_said_to_be_a_lower_bound() -> Non
     """The timelines' curve is not followed past MAX_PREDICTED_BATCH; the search goes on from there.
     `estimate mlp --memory 9TB --overhead 0` said 'predicted 16777216' beside an answer of 257,714,840."""
     from autotune import cli
-    from autotune.search import MAX_PREDICTED_BATCH
+    from autotune.engine.search import MAX_PREDICTED_BATCH
 
     assert cli._predicted_words(MAX_PREDICTED_BATCH).startswith(
         f"at least {MAX_PREDICTED_BATCH:,} (the curve is not followed past that"

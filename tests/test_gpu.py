@@ -23,7 +23,7 @@ def _uncap() -> Iterator[None]:
 
 
 def test_probe_on_cuda_is_exact_under_a_memory_cap() -> None:
-    from autotune.probe import ProbeRequest, run_probe
+    from autotune.engine.probe import ProbeRequest, run_probe
 
     result = run_probe(ProbeRequest(target="gpt", device="cuda:0", memory=4 * GIB, min_free_memory=0))
     by_batch = {t.batch: t for t in result.trials}
@@ -37,7 +37,7 @@ def test_probe_on_cuda_is_exact_under_a_memory_cap() -> None:
 def test_budget_free_is_at_most_what_is_free() -> None:
     import torch
 
-    from autotune.probe import ProbeRequest, run_probe
+    from autotune.engine.probe import ProbeRequest, run_probe
 
     free, _ = torch.cuda.mem_get_info(0)
     result = run_probe(ProbeRequest(target="cnn", device="cuda", budget="free", max_batch=64, min_free_memory=0))
@@ -48,8 +48,8 @@ def test_budget_free_is_at_most_what_is_free() -> None:
 def test_isolated_probe_never_initializes_cuda_in_the_parent() -> None:
     code = (
         "import torch\n"
-        "from autotune.isolation import run_isolated\n"
-        "from autotune.probe import ProbeRequest\n"
+        "from autotune.engine.isolation import run_isolated\n"
+        "from autotune.engine.probe import ProbeRequest\n"
         "r = run_isolated(ProbeRequest(target='gpt', device='cuda', memory='2GiB', min_free_memory=0), timeout=600)\n"
         "assert r.device.kind == 'cuda', r.device\n"
         "print('parent initialized CUDA:', torch.cuda.is_initialized(), 'answer', r.max_micro_batch)\n"
@@ -62,9 +62,9 @@ def test_isolated_probe_never_initializes_cuda_in_the_parent() -> None:
 def test_every_trial_starts_from_the_allocator_state_of_a_fresh_process() -> None:
     import torch
 
-    from autotune.examples import gpt
-    from autotune.gpu import CudaDevice
-    from autotune.trial import TrialRunner
+    from autotune.devices.cuda import CudaDevice
+    from autotune.engine.trial import TrialRunner
+    from autotune.workloads.examples import gpt
 
     runner = TrialRunner(gpt(), CudaDevice(0, limit_bytes=4 * GIB))
     allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()

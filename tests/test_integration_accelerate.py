@@ -1,5 +1,5 @@
 """Accelerate: a plain loop tuned by `tune_accelerator` and run for real on the budget device; the
-double-scaling refusal; and the exact way to a ragged last window (autotune.accumulate with the
+double-scaling refusal; and the exact way to a ragged last window (autotune.plans.accumulate with the
 Accelerator at one step)."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from torch.utils.data import DataLoader, Dataset
 accelerate = pytest.importorskip("accelerate")
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
-from autotune import accumulate  # noqa: E402
-from autotune.budget import BudgetDevice  # noqa: E402
+from autotune.devices.budget import BudgetDevice  # noqa: E402
 from autotune.errors import DoubleScalingError  # noqa: E402
 from autotune.integrations.accelerate import tune_accelerator  # noqa: E402
-from autotune.plan import plan  # noqa: E402
-from autotune.sampler import PlanBatchSampler  # noqa: E402
+from autotune.plans import accumulate  # noqa: E402
+from autotune.plans.plan import plan  # noqa: E402
+from autotune.plans.sampler import PlanBatchSampler  # noqa: E402
 
 MEMORY = 2 * 2**20
 EFFECTIVE_BATCH = 960

@@ -18,7 +18,7 @@ import torch
 
 pl = pytest.importorskip("lightning.pytorch")
 
-from autotune.budget import BudgetDevice  # noqa: E402
+from autotune.devices.budget import BudgetDevice  # noqa: E402
 from autotune.integrations.lightning import AutotuneBatchSize  # noqa: E402
 from tests import lightning_job  # noqa: E402
 from tests.lightning_job import EFFECTIVE_BATCH, MEMORY, Net  # noqa: E402

@@ -15,7 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from autotune.budget import BudgetDevice  # noqa: E402
+from autotune.devices.budget import BudgetDevice  # noqa: E402
 from autotune.integrations.transformers import tune_trainer  # noqa: E402
 from autotune.units import parse_size  # noqa: E402
 

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
+from autotune.engine.isolation import run_isolated
+from autotune.engine.probe import ProbeRequest, run_probe
 from autotune.errors import NotAnOOMError, ProbeCrashedError, ProbeTimeoutError, WorkloadError
-from autotune.isolation import run_isolated
-from autotune.probe import ProbeRequest, run_probe
 from autotune.results import TrialRecord
 from tests.serving import ROOT, alive, children_of
 
@@ -62,8 +62,8 @@ def test_errors_from_the_child_keep_their_type_and_message() -> None:
 
 
 CALLER = """\
-from autotune.isolation import run_isolated
-from autotune.probe import ProbeRequest
+from autotune.engine.isolation import run_isolated
+from autotune.engine.probe import ProbeRequest
 
 def trial(record):
     print("trial", record.batch, flush=True)

@@ -35,10 +35,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from autotune import examples
-from autotune.budget import BudgetDevice, rounded
-from autotune.search import search
-from autotune.trial import TrialRunner
+from autotune.devices.budget import BudgetDevice, rounded
+from autotune.engine.search import search
+from autotune.engine.trial import TrialRunner
+from autotune.workloads import examples
 
 pl = pytest.importorskip("lightning.pytorch")
 from lightning.pytorch.tuner import Tuner  # noqa: E402

@@ -18,13 +18,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from api import create_app
-from autotune import cli, nvml
-from autotune.accumulate import AcrossRanks, accumulate
+from autotune import cli
+from autotune.devices import nvml
 from autotune.errors import PlanError
-from autotune.mixed import Group, MixedPlan, Mode, mixed_arithmetic, mixed_plan
-from autotune.plan import Policy, plan
-from autotune.probe import headroom_bytes
+from autotune.plans.accumulate import AcrossRanks, accumulate
+from autotune.plans.mixed import Group, MixedPlan, Mode, mixed_arithmetic, mixed_plan
+from autotune.plans.plan import Policy, plan
 from autotune.settings import Settings
+from autotune.units import headroom_bytes
 from tests.nvml_standin import FakeGpu, FakeNvml
 from tests.serving import make_result
 

@@ -22,11 +22,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from autotune.engine.probe import ProbeRequest
 from autotune.errors import ConfigError, ProbeError
-from autotune.probe import ProbeRequest
-from autotune.probekey import DeviceKey, key_for_request, key_from_result, result_model_problems
-from autotune.registry import Registry, load_registry
 from autotune.results import ProbeResult, TrialRecord
+from autotune.workloads.probekey import DeviceKey, key_for_request, key_from_result, result_model_problems
+from autotune.workloads.registry import Registry, load_registry
 from tests.serving import ROOT, make_result
 
 MiB = 2**20
@@ -49,7 +49,7 @@ class Net(nn.Module):
 WORKLOAD = '''"""The user's workload."""
 import torch
 
-from autotune.workload import Workload
+from autotune.workloads.workload import Workload
 from {nets} import Net
 
 
@@ -166,8 +166,8 @@ def test_an_edit_of_the_model_source_alone_changes_the_key(user_code: UserCode) 
 
 
 def test_the_source_hash_covers_the_users_files_only(user_code: UserCode) -> None:
-    from autotune import fingerprint
-    from autotune.workload import resolve
+    from autotune.workloads import fingerprint
+    from autotune.workloads.targets import resolve
 
     entry = user_code.load().get("edited")
     workload = resolve(entry.target)
@@ -183,8 +183,8 @@ def test_a_new_process_computes_the_same_keys_and_loads_fast(user_code: UserCode
     here = _identity(user_code.load())
     script = (
         "import json, sys\n"
-        "from autotune.probekey import DeviceKey, key_for_request\n"
-        "from autotune.registry import load_registry\n"
+        "from autotune.workloads.probekey import DeviceKey, key_for_request\n"
+        "from autotune.workloads.registry import load_registry\n"
         "r = load_registry(__import__('pathlib').Path(sys.argv[1]))\n"
         "cpu = DeviceKey(kind='cpu-budget', total_bytes=4 * 2**20)\n"
         "ids = {e.name: [e.model_fingerprint, e.source_hash,\n"

@@ -11,9 +11,9 @@ import pynvml
 import pytest
 from typer.testing import CliRunner
 
-from autotune import nvml
 from autotune.cli import app
-from autotune.nvml import GpuInfo, GpuProcess, Inventory, inventory, match_torch_devices
+from autotune.devices import nvml
+from autotune.devices.nvml import GpuInfo, GpuProcess, Inventory, inventory, match_torch_devices
 from tests.nvml_standin import FakeGpu, FakeNvml, GiB
 
 UUID_A = "GPU-0b1e5c6a-3f0e-8d7e-11aa-6c5f3e2d1a01"
@@ -411,7 +411,7 @@ class RecordingCuda:
 @pytest.fixture
 def busy_gpu(monkeypatch: pytest.MonkeyPatch) -> FakeNvml:
     """cuda:0 is NVML's GPU 1 (UUID_B); another job holds 75 GiB of it."""
-    from autotune import gpu
+    from autotune.devices import cuda as gpu
 
     fake = FakeNvml([FakeGpu(UUID_A), FakeGpu(UUID_B, used=75 * GiB, processes=[(31337, 75 * GiB)])])
     monkeypatch.setitem(sys.modules, "pynvml", fake)
@@ -423,8 +423,8 @@ def busy_gpu(monkeypatch: pytest.MonkeyPatch) -> FakeNvml:
 
 
 def test_probe_refuses_a_gpu_below_the_minimum_and_names_the_holders(busy_gpu: FakeNvml) -> None:
+    from autotune.engine.probe import ProbeRequest, open_device
     from autotune.errors import InsufficientMemoryError
-    from autotune.probe import ProbeRequest, open_device
 
     with pytest.raises(InsufficientMemoryError) as caught:
         open_device(ProbeRequest(target="mlp", device="cuda:0"))
@@ -439,8 +439,8 @@ def test_probe_refuses_a_gpu_below_the_minimum_and_names_the_holders(busy_gpu: F
 
 
 def test_min_free_memory_comes_from_the_environment(busy_gpu: FakeNvml, monkeypatch: pytest.MonkeyPatch) -> None:
+    from autotune.engine.probe import ProbeRequest, open_device
     from autotune.errors import InsufficientMemoryError
-    from autotune.probe import ProbeRequest, open_device
 
     monkeypatch.setenv("AUTOTUNE_MIN_FREE_MEMORY", "256MiB")
     device, policy, budget, _ = open_device(ProbeRequest(target="mlp", device="cuda:0", budget="free"))
@@ -454,8 +454,8 @@ def test_min_free_memory_comes_from_the_environment(busy_gpu: FakeNvml, monkeypa
 
 
 def test_budget_free_is_what_other_processes_leave(monkeypatch: pytest.MonkeyPatch) -> None:
-    from autotune import gpu
-    from autotune.probe import ProbeRequest, open_device
+    from autotune.devices import cuda as gpu
+    from autotune.engine.probe import ProbeRequest, open_device
 
     monkeypatch.setattr(gpu, "card_memory", lambda index: (30 * GiB, 80 * GiB))
     monkeypatch.setattr(gpu, "CudaDevice", RecordingCuda)

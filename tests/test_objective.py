@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.objective import choose, extra_sizes, timed_sizes
-from autotune.probe import ProbeRequest, run_probe
+from autotune.engine.objective import choose, extra_sizes, timed_sizes
+from autotune.engine.probe import ProbeRequest, run_probe
 from autotune.results import TrialRecord
 
 

@@ -8,7 +8,7 @@ import weakref
 import pytest
 import torch
 
-from autotune import oom
+from autotune.engine import oom
 
 OOM_ERRORS = [
     torch.OutOfMemoryError("anything at all"),

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from autotune.accumulate import OOMGuard, ShrinkEvent, accumulate, split_batch
-from autotune.budget import BudgetDevice
+from autotune.devices.budget import BudgetDevice
 from autotune.errors import RunOutOfMemoryError
+from autotune.plans.accumulate import OOMGuard, ShrinkEvent, accumulate, split_batch
 
 # Wide hidden layer, few inputs: activations dominate, so halving the micro-batch saves memory.
 WIDTH = 2048
@@ -180,7 +180,7 @@ def test_the_readme_example_shrinks_once_and_finishes(capsys: pytest.CaptureFixt
 def test_a_redo_does_not_sum_the_window_over_ranks_again(
     setting: tuple[nn.Module, torch.Tensor, torch.Tensor, int],
 ) -> None:
-    from autotune.accumulate import AcrossRanks
+    from autotune.plans.accumulate import AcrossRanks
 
     model, x, y, limit = setting
     device = BudgetDevice(limit)

@@ -12,7 +12,7 @@ import autotune
 
 def test_the_public_names_import_from_the_package() -> None:
     from autotune import OOMGuard, ProbeRequest, Workload, probe_and_confirm, run_probe
-    from autotune.workload import Workload as Defined
+    from autotune.workloads.workload import Workload as Defined
 
     assert Workload is Defined
     assert callable(probe_and_confirm) and callable(run_probe) and ProbeRequest and OOMGuard

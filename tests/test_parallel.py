@@ -17,7 +17,7 @@ from types import ModuleType
 import pytest
 import torch.distributed as dist
 
-from autotune.probe import ProbeRequest, run_probe
+from autotune.engine.probe import ProbeRequest, run_probe
 from autotune.results import ProbeResult
 
 ROOT = Path(__file__).resolve().parents[1]

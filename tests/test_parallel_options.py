@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from autotune.engine.probe import ProbeRequest, load_workload, run_probe
+from autotune.engine.trial import TrialRunner
 from autotune.errors import ConfigError, WorkloadError
-from autotune.probe import ProbeRequest, load_workload, run_probe
-from autotune.probekey import DeviceKey, key_for_request, key_from_result
-from autotune.registry import register
 from autotune.results import LoopShape, ParallelSpec, ProbeResult
-from autotune.trial import TrialRunner
+from autotune.workloads.probekey import DeviceKey, key_for_request, key_from_result
+from autotune.workloads.registry import register
 
 JOB = """
 import torch
@@ -104,7 +104,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def _peak(request: ProbeRequest, batch: int) -> int:
-    from autotune.budget import BudgetDevice
+    from autotune.devices.budget import BudgetDevice
 
     workload = load_workload(request)
     runner = TrialRunner(workload, BudgetDevice(1 << 30), steps=2)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autotune.errors import PlanError
-from autotune.plan import Policy, plan
+from autotune.plans.plan import Policy, plan
 
 
 @settings(max_examples=500, deadline=None)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from autotune.engine.probe import ProbeRequest, run_probe
 from autotune.errors import ConfigError
 from autotune.plot import render_plot
-from autotune.probe import ProbeRequest, run_probe
 from autotune.results import ProbeResult
 
 AUTOTUNE = str(Path(sys.executable).parent / "autotune")

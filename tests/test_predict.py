@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autotune.budget import BudgetDevice
-from autotune.predict import EnvelopeModel, StorageModel, Timeline, predict, record_trial
-from autotune.probe import ProbeRequest, run_probe
+from autotune.devices.budget import BudgetDevice
+from autotune.engine.predict import EnvelopeModel, StorageModel, Timeline, predict, record_trial
+from autotune.engine.probe import ProbeRequest, run_probe
+from autotune.engine.search import search
+from autotune.engine.trial import TrialRunner
 from autotune.results import ProbeResult
-from autotune.search import search
-from autotune.trial import TrialRunner
-from autotune.workload import resolve
+from autotune.workloads.targets import resolve
 
 MIB = 2**20
 
@@ -224,7 +224,7 @@ class _CachingBudgetDevice(BudgetDevice):
 
 
 def test_a_caching_allocator_is_handled_by_one_refining_trial() -> None:
-    from autotune.predict import predicted_search
+    from autotune.engine.predict import predicted_search
 
     limit = 64 * MIB
     device = _CachingBudgetDevice(limit)
@@ -291,8 +291,8 @@ class _TimelineWithoutStorages:
 def test_a_flat_timeline_without_raw_sizes_falls_back_and_the_plain_search_stops() -> None:
     """Without raw sizes a flat timeline may be rounding: the plain search runs (even under a cap
     of 10**12, which it used to answer at once) and stops at 1024 times its first size."""
+    from autotune.engine.predict import predicted_search
     from autotune.errors import FlatMemoryError
-    from autotune.predict import predicted_search
     from autotune.results import TrialRecord
 
     device = _TimelineWithoutStorages()

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.budget import BudgetDevice
+from autotune.devices.budget import BudgetDevice
+from autotune.engine.probe import ProbeRequest, load_workload, run_probe
+from autotune.engine.trial import TrialRunner
 from autotune.errors import ConfigError, NotAnOOMError, NothingFitsError, WorkloadError
-from autotune.examples import EXAMPLES
-from autotune.probe import ProbeRequest, load_workload, run_probe
-from autotune.trial import TrialRunner
+from autotune.workloads.examples import EXAMPLES
 
 MIB = 2**20
 BUDGETS = {
@@ -102,7 +102,7 @@ def test_bad_requests(request_kwargs: dict, error: type[Exception], message: str
 
 
 def test_fingerprint_is_stable_and_changes_with_what_determines_memory() -> None:
-    from autotune.probe import device_info, open_device, result_fingerprint
+    from autotune.engine.probe import device_info, open_device, result_fingerprint
 
     def key(**kwargs: object) -> str:
         request = ProbeRequest(**{"target": "gpt", "device": "cpu", "memory": 128 * MIB, **kwargs})

@@ -18,10 +18,10 @@ import pytest
 from rich.console import Console
 
 from autotune import cli
-from autotune.budget import BudgetDevice
+from autotune.devices.budget import BudgetDevice
+from autotune.engine.trial import TrialRunner
 from autotune.progress import TrialProgress, throttled
 from autotune.results import LoopShape, TrialRecord
-from autotune.trial import TrialRunner
 from tests.serving import ROOT, alive, children_of
 from tests.workloads import tiny
 

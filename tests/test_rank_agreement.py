@@ -25,9 +25,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from autotune.accumulate import OOMGuard, _RankAgreement, accumulate
-from autotune.budget import BudgetDevice
+from autotune.devices.budget import BudgetDevice
 from autotune.errors import ConfigError
+from autotune.plans.accumulate import OOMGuard, _RankAgreement, accumulate
 
 ROOT = Path(__file__).resolve().parent.parent
 WIDTH = 1024  # wide hidden layer, few inputs: activations dominate, so halving the micro-batch saves memory

@@ -24,7 +24,7 @@ from types import ModuleType
 
 import pytest
 
-from autotune.plan import plan
+from autotune.plans.plan import plan
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -39,7 +39,10 @@ def _quoted(fragment: str) -> None:
 # Constants and defaults ---------------------------------------------------------------------------
 def test_the_constants_it_quotes_are_the_codes() -> None:
     from api import jobs, schemas, status_page
-    from autotune import budget, cli, confirm, estimate, examples, objective, search
+    from autotune import cli
+    from autotune.devices import budget
+    from autotune.engine import confirm, estimate, objective, search
+    from autotune.workloads import examples
 
     for fragment, value, expected in [
         ("a size 1024 times its first", search.FLAT_FACTOR, 1024),
@@ -138,9 +141,9 @@ def test_the_plans_it_shows() -> None:
 # Answers on the budget device ---------------------------------------------------------------------
 def test_lightnings_small_mlp_at_6_mib_answers_746() -> None:
     """The workload and limit of tests/test_lightning_tuner.py, whose Lightning run returns this answer."""
-    from autotune import examples
-    from autotune.budget import BudgetDevice
-    from autotune.trial import TrialRunner
+    from autotune.devices.budget import BudgetDevice
+    from autotune.engine.trial import TrialRunner
+    from autotune.workloads import examples
 
     _quoted("it returns our one-micro-step answer (746 for a small MLP at 6 MiB, which a test checks;")
     workload = examples.mlp(in_features=256, hidden=256, layers=2, classes=16, optimizer="adamw")
@@ -205,7 +208,7 @@ def test_the_benchmark_tables_agree_with_each_other() -> None:
 
 def _rerun(workload: str, budget: str) -> None:
     """Our predicting search's row (found, trials, sample-steps), deterministic: rerun as the benchmark runs it."""
-    from autotune.workload import resolve
+    from autotune.workloads.targets import resolve
 
     (row,) = [r for r in _bench_rows() if (r["workload"], r["budget"], r["method"]) == (workload, budget, "predict")]
     mib = float(budget.removesuffix(" MiB"))
@@ -227,9 +230,9 @@ def test_our_cheapest_benchmark_rows_reproduce() -> None:
 
 
 def test_gpt_at_128_mib_answers_7_without_accumulation_and_6_with_it() -> None:
-    from autotune.budget import BudgetDevice
-    from autotune.trial import TrialRunner
-    from autotune.workload import resolve
+    from autotune.devices.budget import BudgetDevice
+    from autotune.engine.trial import TrialRunner
+    from autotune.workloads.targets import resolve
 
     _quoted("Now, at 128 MiB, `gpt` answers 7 without accumulation and 6 with it")
     _rerun("gpt", "128 MiB")  # the benchmark's row: found 7, with headroom 0

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from autotune.confirm import probe_and_confirm
-from autotune.probe import ProbeRequest
+from autotune.engine.confirm import probe_and_confirm
+from autotune.engine.probe import ProbeRequest
 from autotune.results import ProbeResult
 
 # (workload, budget, effective batch): each effective batch needs accumulation there.

@@ -6,8 +6,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import autotune
-from autotune.accumulate import accumulate
-from autotune.sampler import PlanBatchSampler
+from autotune.plans.accumulate import accumulate
+from autotune.plans.sampler import PlanBatchSampler
 
 
 def test_a_fewest_steps_plan_runs_window_after_window_with_a_short_last_window() -> None:

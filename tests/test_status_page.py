@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from api import create_app
-from autotune import nvml
+from autotune.devices import nvml
 from autotune.settings import Settings
 from tests.nvml_standin import FakeNvml
 from tests.serving import ROOT, WORKLOADS_TOML, Server, finished_probe, make_result, running_server

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autotune.budget import BudgetDevice
+from autotune.devices.budget import BudgetDevice
+from autotune.engine.trial import TrialRunner
 from autotune.errors import NotAnOOMError
-from autotune.examples import gpt
-from autotune.trial import TrialRunner
+from autotune.workloads.examples import gpt
 from tests.workloads import ambiguous, broken
 
 
@@ -78,7 +78,7 @@ def test_an_error_that_is_not_an_oom_stops_with_its_message() -> None:
 
 @pytest.mark.cuda
 def test_one_hundred_ooms_on_cuda_leak_nothing() -> None:
-    from autotune.gpu import CudaDevice
+    from autotune.devices.cuda import CudaDevice
 
     total = torch.cuda.get_device_properties(0).total_memory
     device = CudaDevice(0, limit_bytes=min(total, 4 * 2**30))
@@ -102,7 +102,7 @@ def test_an_ambiguous_error_stops_the_probe_as_its_own_reason() -> None:
 
 
 def test_prefetch_holds_exactly_its_batches_in_every_step() -> None:
-    from autotune.budget import rounded
+    from autotune.devices.budget import rounded
     from autotune.results import LoopShape
 
     runner = TrialRunner(gpt(layers=1), BudgetDevice(2**30))

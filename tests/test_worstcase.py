@@ -13,7 +13,7 @@ from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from autotune.errors import ConfigError, WorkloadError
-from autotune.worstcase import WorstCase, find_worst_case, repeat_batch, to_device, worst_case_maker
+from autotune.workloads.worstcase import WorstCase, find_worst_case, repeat_batch, to_device, worst_case_maker
 
 CPU = torch.device("cpu")
 

@@ -9,7 +9,7 @@ import time
 import torch
 from torch import nn
 
-from autotune.workload import Workload
+from autotune.workloads.workload import Workload
 
 
 def _tiny(make_batch_effect: object = None) -> Workload:

@@ -14,8 +14,8 @@ GPU it is still the host's until its turn.
 
 Accelerate's own accumulation runs equal micro-batches and divides by the configured steps, so the
 plan uses the `exact` policy. For fewest-steps plans (unequal micro-batches) and exact short last
-windows, leave the Accelerator at one step and use `autotune.accumulate` with `PlanBatchSampler`
-(the README shows it); combining both scales twice, and `autotune.accumulate` refuses it
+windows, leave the Accelerator at one step and use `autotune.plans.accumulate` with `PlanBatchSampler`
+(the README shows it); combining both scales twice, and `autotune.plans.accumulate` refuses it
 (`DoubleScalingError`).
 """
 
@@ -29,13 +29,13 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
+from autotune.engine.probe import device_spec, probe_workload
+from autotune.engine.trial import TrainLoop, TrialRunner
 from autotune.errors import ConfigError
-from autotune.live import model_loss
-from autotune.plan import Policy, parse_policy
-from autotune.probe import device_spec, probe_workload
+from autotune.plans.plan import Policy, parse_policy
 from autotune.results import LoopShape, ProbeResult
-from autotune.trial import TrainLoop, TrialRunner
-from autotune.workload import OptimizerSpec, Workload
+from autotune.workloads.live import model_loss
+from autotune.workloads.workload import OptimizerSpec, Workload
 
 _PRECISION = {"bf16": "bf16", "fp16": "fp16"}
 
@@ -101,7 +101,7 @@ def tune_accelerator(
     `result.plan.micro_batch`.
 
     `policy="fewest-steps"`: unequal micro-batches, which Accelerate's accumulation cannot run; the
-    Accelerator is left at one step, for `autotune.accumulate` with a `PlanBatchSampler`."""
+    Accelerator is left at one step, for `autotune.plans.accumulate` with a `PlanBatchSampler`."""
     policy = parse_policy(policy)
     if accelerator.num_processes > 1:
         raise ConfigError(

@@ -34,14 +34,14 @@ import torch
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
 
-from autotune import worstcase
+from autotune.engine.probe import device_spec, probe_workload
+from autotune.engine.trial import TrainLoop, TrialRunner
 from autotune.errors import ConfigError, ProbeError
 from autotune.integrations import micro_and_accumulation
-from autotune.plan import Policy
-from autotune.probe import device_spec, probe_workload
+from autotune.plans.plan import Policy
 from autotune.results import LoopShape, ProbeResult
-from autotune.trial import TrainLoop, TrialRunner
-from autotune.workload import Workload
+from autotune.workloads import worstcase
+from autotune.workloads.workload import Workload
 
 logger = logging.getLogger("autotune")
 

@@ -10,7 +10,7 @@ micro-batch size and number of accumulation steps, with the optimizer it creates
 `train_dataset`, its `compute_loss`, its precision, its activation checkpointing and gradient
 clipping. So what the Trainer holds beyond one step is counted: it fetches a whole accumulation
 window of micro-batches before the first forward, which is why the plan is searched again in its
-own number of micro-steps (`autotune.probe.settle_plan`).
+own number of micro-steps (`autotune.engine.probe.settle_plan`).
 
 Between trials the Trainer is put back as it was (its attributes, its arguments, the model's
 weights); your callbacks do not run during the probe. The Trainer runs equal micro-batches, so plans
@@ -30,15 +30,15 @@ from torch.utils.data import Dataset
 from transformers import DefaultFlowCallback, Trainer
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy
 
-from autotune import worstcase
+from autotune.engine.probe import device_spec, probe_workload
+from autotune.engine.trial import TrainLoop, TrialRunner
 from autotune.errors import ConfigError
 from autotune.integrations import micro_and_accumulation
-from autotune.live import OptimizerCopy
-from autotune.plan import Policy
-from autotune.probe import device_spec, probe_workload
+from autotune.plans.plan import Policy
 from autotune.results import LoopShape, ProbeResult, TrialRecord
-from autotune.trial import TrainLoop, TrialRunner
-from autotune.workload import Workload
+from autotune.workloads import worstcase
+from autotune.workloads.live import OptimizerCopy
+from autotune.workloads.workload import Workload
 
 
 class _Repeated(Dataset[Any]):

@@ -2,7 +2,7 @@
 
 - `ddp`: `DistributedDataParallel` over a one-rank process group (gloo on CPU, NCCL on CUDA), so
   its gradient buckets are in the measured peak; accumulation micro-steps but the last run under
-  `no_sync()` (autotune.trial). A rank's memory does not depend on the world size.
+  `no_sync()` (autotune.engine.trial). A rank's memory does not depend on the world size.
 - `fsdp`: FSDP2 (`fully_shard`) over N ranks simulated on one device (`autotune.parallel.fsdp`):
   rank 0 of the job against PyTorch's fake process group, whose collectives carry no data.
 

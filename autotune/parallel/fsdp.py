@@ -4,7 +4,7 @@ The model is sharded with `torch.distributed.fsdp.fully_shard` (FSDP2) over a de
 ranks whose process group is PyTorch's fake one: its collectives return shape-correct tensors and
 carry no data, so the all-gathered parameters, the reduce-scattered gradients, the local shards and
 the sharded optimizer state are allocated exactly as on a real rank, in one process. The budget
-device counts a DTensor's local shard and FSDP2's storage resizes (autotune.budget), so the peak is
+device counts a DTensor's local shard and FSDP2's storage resizes (autotune.devices.budget), so the peak is
 rank 0's. Checked against a real 4-rank gloo job: the same peak to the byte (tests).
 
 Default sharding, as most jobs do it: `fully_shard` on every repeated block (the items of each

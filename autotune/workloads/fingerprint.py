@@ -7,7 +7,7 @@ and granularity, torch and CUDA versions, and the allocator configuration. The m
 built on the meta device, so fingerprinting allocates nothing and needs no GPU.
 
 Two smaller hashes identify what a registered workload builds, for the service's request keys
-(`autotune.probekey`), computed when the registry loads: `model_digest`, the module tree alone
+(`autotune.workloads.probekey`), computed when the registry loads: `model_digest`, the module tree alone
 (no batch, no environment), and `source_digest`, the user's source files that define the workload
 and its model's classes.
 """
@@ -32,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from autotune.errors import WorkloadError
-from autotune.workload import Workload
+from autotune.workloads.workload import Workload
 
 if TYPE_CHECKING:
     from autotune.results import ParallelSpec, ProbeResult
@@ -89,7 +89,7 @@ def build_on_meta(workload: Workload, *, batch: bool = True) -> tuple[nn.Module,
             model = workload.build_model()
             made = workload.make_batch(1, torch.device("meta")) if batch else None
     except Exception as exc:  # noqa: BLE001 - user code; reported as a workload error
-        from autotune.usercode import attach, describe
+        from autotune.workloads.usercode import attach, describe
 
         raise attach(
             WorkloadError(f"building workload {workload.name!r} on the meta device failed: {describe(exc)}"), exc
@@ -159,7 +159,7 @@ def probe_environment(
     allocator: str | None,
     parallel: ParallelSpec | None = None,
 ) -> dict[str, Any]:
-    """The environment a probe's fingerprint holds (`autotune.probe.result_fingerprint`). A
+    """The environment a probe's fingerprint holds (`autotune.engine.probe.result_fingerprint`). A
     parallel setup is in it when there is one (results without one keep their fingerprints)."""
     extra = {} if parallel is None or parallel.strategy == "none" else {"parallel": parallel.model_dump()}
     return {
@@ -270,7 +270,7 @@ def workload_objects(target: str, workload: Workload, model: nn.Module) -> list[
         if found is not None and not isinstance(found, Workload):
             objects.append(found)
     else:
-        from autotune import examples
+        from autotune.workloads import examples
 
         factory = examples.EXAMPLES.get(target)
         if factory is not None:

@@ -25,7 +25,7 @@ FLAT_FACTOR = 1024
 # The plain search never doubles past this many units (about 10**12 samples): memory that grows so
 # little that this fits is as good as flat, and no job runs such a batch.
 MAX_UNITS = 1 << 40
-# The predictor (autotune.predict) does not follow its fitted curve past this batch: memory that
+# The predictor (autotune.engine.predict) does not follow its fitted curve past this batch: memory that
 # barely grows is as good as unbounded; a prediction there is a lower bound the search goes on from.
 MAX_PREDICTED_BATCH = 1 << 24
 

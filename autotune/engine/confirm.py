@@ -4,7 +4,7 @@ A probe's process has a history the job's process will not have: on a GPU, a CUD
 caching allocator has already split, cached and freed blocks for a dozen trials, and workspaces
 that a fresh process allocates at other moments. So after the search, each answer runs again in its own loop,
 and the plan's micro-batch in the plan's loop unless a larger size that passed covers it, in a
-**new interpreter** (`python -m autotune.confirm` with this process's `sys.path`, never a re-import
+**new interpreter** (`python -m autotune.engine.confirm` with this process's `sys.path`, never a re-import
 of the caller's `__main__`), one process per size, under the same limit, for `confirm_steps`
 optimizer steps of up to `CONFIRM_MICRO_STEPS` micro-steps when the loop accumulates.
 
@@ -31,12 +31,12 @@ from collections.abc import Callable
 from pydantic import BaseModel
 
 from autotune import errors
+from autotune.engine.isolation import hold_interrupts
+from autotune.engine.search import search_from_guess
 from autotune.errors import NothingFitsError, ProbeError, ProbeTimeoutError
-from autotune.isolation import hold_interrupts
 from autotune.progress import ProgressCallback, TrialProgress, throttled
 from autotune.request import ProbeRequest, TrialCallback, with_plan
 from autotune.results import Confirmation, ConfirmationCheck, LoopShape, ProbeResult, TrialRecord
-from autotune.search import search_from_guess
 
 # Micro-steps of an accumulating confirmation run: the second and third both run with gradients
 # alive, so a third shows that nothing grows from one accumulated micro-step to the next.
@@ -223,13 +223,13 @@ def fresh_runner(
 
 
 def run_fresh(job: FreshRunRequest, timeout: float, on_progress: ProgressCallback | None = None) -> TrialRecord:
-    """Run one trial in a new `python -m autotune.confirm` process; its record or our error.
+    """Run one trial in a new `python -m autotune.engine.confirm` process; its record or our error.
 
     The request goes in on the child's stdin and the answer comes back on a pipe of its own (the
     workload may print on stdout): no file is written, so a full disk cannot fail a probe.
     `on_progress` hears the process start, then its micro-steps (phase "confirm", seconds since
     the process started), from a thread of its own."""
-    command = [sys.executable, "-m", "autotune.confirm"]
+    command = [sys.executable, "-m", "autotune.engine.confirm"]
     # The child must import autotune and the workload as this process does: its sys.path,
     # with the current directory made absolute.
     path = [os.path.abspath(p or os.curdir) for p in [*sys.path, ""]]
@@ -324,21 +324,21 @@ def _child(answer_fd: int) -> None:
         except errors.AutotuneError as exc:
             answer = {"error": errors.report(exc, with_traceback=True)}
         except Exception as exc:  # noqa: BLE001 - reported to the parent as a failed confirmation
-            from autotune.usercode import unexpected
+            from autotune.workloads.usercode import unexpected
 
             answer = {"error": errors.report(unexpected(exc), with_traceback=True)}
         pipe.write(json.dumps(answer) + "\n")
 
 
 def _one_trial(job: FreshRunRequest, on_progress: ProgressCallback | None = None) -> TrialRecord:
-    from autotune.budget import BudgetDevice
-    from autotune.probe import load_workload
-    from autotune.trial import ProbeDevice, TrialRunner
+    from autotune.devices.budget import BudgetDevice
+    from autotune.engine.probe import load_workload
+    from autotune.engine.trial import ProbeDevice, TrialRunner
 
     workload = load_workload(job.probe)
     device: ProbeDevice
     if job.device_kind == "cuda":
-        from autotune.gpu import CudaDevice
+        from autotune.devices.cuda import CudaDevice
 
         device = CudaDevice(job.device_index or 0, job.limit_bytes)
     else:
@@ -373,13 +373,13 @@ def probe_and_confirm(
     request says not to. What the CLI, the service and the client's local fallback run.
     `on_progress` hears the micro-steps inside trials and confirmation runs (throttled)."""
     if in_process:
-        from autotune.probe import run_probe  # torch: the isolated path leaves it to the child
+        from autotune.engine.probe import run_probe  # torch: the isolated path leaves it to the child
 
         relay = None if on_progress is None else throttled(on_progress)
         result = run_probe(request, on_trial=on_trial, on_progress=relay)
         _release_cuda_cache()
     else:
-        from autotune.isolation import run_isolated
+        from autotune.engine.isolation import run_isolated
 
         result = run_isolated(request, timeout, on_trial=on_trial, on_progress=on_progress)
     if not request.confirm:
@@ -399,7 +399,7 @@ def _release_cuda_cache() -> None:
 
 def main() -> None:
     if len(sys.argv) != 2 or not sys.argv[1].isdigit():
-        sys.stderr.write("usage: python -m autotune.confirm ANSWER_FD < REQUEST.json (autotune's own use)\n")
+        sys.stderr.write("usage: python -m autotune.engine.confirm ANSWER_FD < REQUEST.json (autotune's own use)\n")
         sys.exit(2)
     _child(int(sys.argv[1]))
 

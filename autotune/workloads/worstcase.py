@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
-from autotune.accumulate import count_samples
 from autotune.errors import ConfigError, WorkloadError
+from autotune.plans.accumulate import count_samples
 
 Collate = Callable[[list[Any]], Any]
 

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
-from autotune.budget import local_storages
+from autotune.devices.budget import local_storages
 from autotune.errors import DeviceError
 from autotune.results import MemoryBreakdown, MemoryRole
 

@@ -2,7 +2,7 @@
 
 A probe can take its process down: a segfault in a kernel, a sticky CUDA error that poisons the
 context, a workload that hangs or calls `os._exit`. So by default it runs in a child process, a
-**new interpreter** running our own entry point (`python -m autotune.isolation`, with this
+**new interpreter** running our own entry point (`python -m autotune.engine.isolation`, with this
 process's `sys.path`), never a fork (the parent must not share, or ever initialize, a CUDA
 context) and never multiprocessing's spawn, which re-imports the caller's `__main__` and so
 fails in a script without an `if __name__ == "__main__":` guard. The request goes in on the
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from autotune import errors
 
 if TYPE_CHECKING:
-    from autotune.probe import ProbeRequest, TrialCallback
+    from autotune.engine.probe import ProbeRequest, TrialCallback
     from autotune.progress import ProgressCallback
     from autotune.results import ProbeResult
 
@@ -129,7 +129,7 @@ def run_isolated(
     release = hold_interrupts()  # until the child is in the `try` that ends it
     try:
         child = subprocess.Popen(
-            [sys.executable, "-m", "autotune.isolation", str(write_end), str(os.getpid())],
+            [sys.executable, "-m", "autotune.engine.isolation", str(write_end), str(os.getpid())],
             env=_child_env(),
             stdin=subprocess.PIPE,
             pass_fds=(write_end,),
@@ -241,7 +241,7 @@ def _child(answer_fd: int, parent_pid: int) -> None:
             answers.flush()
 
     try:
-        from autotune.probe import ProbeRequest, run_probe
+        from autotune.engine.probe import ProbeRequest, run_probe
         from autotune.progress import throttled
 
         request = ProbeRequest.model_validate_json(line)
@@ -254,7 +254,7 @@ def _child(answer_fd: int, parent_pid: int) -> None:
     except errors.AutotuneError as exc:
         send({"error": errors.report(exc, with_traceback=True)})
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises ProbeError
-        from autotune.usercode import unexpected
+        from autotune.workloads.usercode import unexpected
 
         send({"error": errors.report(unexpected(exc), with_traceback=True)})
     finally:
@@ -264,7 +264,7 @@ def _child(answer_fd: int, parent_pid: int) -> None:
 def main() -> None:
     if len(sys.argv) != 3 or not all(arg.isdigit() for arg in sys.argv[1:]):
         sys.stderr.write(
-            "usage: python -m autotune.isolation ANSWER_FD PARENT_PID < REQUEST.json (autotune's own use)\n"
+            "usage: python -m autotune.engine.isolation ANSWER_FD PARENT_PID < REQUEST.json (autotune's own use)\n"
         )
         sys.exit(2)
     _child(int(sys.argv[1]), int(sys.argv[2]))

@@ -6,7 +6,7 @@ per model) and how many ranks have it, a `MixedPlan` gives every rank the same a
 `A` and says what each rank runs:
 
 - mode `uniform`: every rank runs the same micro-batches, each at most the smallest answer: the
-  single-device plan (`autotune.plan`) with `max = min_g max_g` over world size `W = sum_g r_g`;
+  single-device plan (`autotune.plans.plan`) with `max = min_g max_g` over world size `W = sum_g r_g`;
   its policies (fewest-steps, exact) apply, and the effective batch must be a multiple of `W`.
 - mode `per-model`: each model's ranks run micro-batches up to their own answer. `A` is the
   fewest steps whose capacity reaches the effective batch, `A × sum_g r_g × max_g ≥ E`; the `E`
@@ -20,7 +20,7 @@ Ranks hold different numbers of samples, so the mean loss of a micro-step must b
 global sample count: `weight = W × n / E` for a micro-batch of `n` samples. DDP averages the
 gradients over the `W` ranks, so the optimizer sees `sum over ranks and steps of n × mean / E`:
 exactly the gradient of the mean loss over the whole effective batch. These are the weights
-`autotune.accumulate.mean_loss_weights(counts, total=E, world_size=W)` gives, and what
+`autotune.plans.accumulate.mean_loss_weights(counts, total=E, world_size=W)` gives, and what
 `accumulate(..., ranks=AcrossRanks.from_process_group())` computes at run time.
 
 Ranks are numbered group after group in the order given (the first group's ranks are 0 to
@@ -36,9 +36,9 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from autotune.accumulate import mean_loss_weights
 from autotune.errors import PlanError
-from autotune.plan import Policy, parse_policy, plan
+from autotune.plans.accumulate import mean_loss_weights
+from autotune.plans.plan import Policy, parse_policy, plan
 
 MAX_ACCUMULATION_STEPS = 10_000  # as the single-device plans: beyond it a plan is a typo
 
@@ -298,7 +298,7 @@ def _per_model(effective: int, groups: list[Group], world: int, policy: Policy, 
     if len(sizes) > 1:
         warnings.append(
             f"micro-batches of {min(sizes)} to {max(sizes)} samples: multiply each micro-step's mean loss by its "
-            "loss weight (world size × micro-batch / effective batch), or use autotune.accumulate with "
+            "loss weight (world size × micro-batch / effective batch), or use autotune.plans.accumulate with "
             "ranks=AcrossRanks.from_process_group(), which computes the same weights; a loss divided by the steps "
             "alone weighs the samples unequally"
         )

@@ -40,7 +40,7 @@ from itertools import islice
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from autotune.errors import AutotuneError, ConfigError, DoubleScalingError, RunOutOfMemoryError
-from autotune.plan import Plan
+from autotune.plans.plan import Plan
 
 _log = logging.getLogger("autotune")
 
@@ -363,7 +363,7 @@ class GuardedWindow(Generic[B]):
     def run(self, micro_step: Callable[[MicroStep[B]], object]) -> list[object]:
         """Run `micro_step(step)` for each micro-step of the window; return what each returned
         (of the attempt that completed)."""
-        from autotune import oom
+        from autotune.engine import oom
 
         guard = self.guard
         agreement = guard._ranks()
@@ -654,7 +654,7 @@ def _refuse_double_scaling() -> None:
             f"the gradient would be 1/{divides} of the true one. Use one of them: "
             "Accelerator(gradient_accumulation_steps=1) with autotune.accumulate (exact for unequal and short "
             "windows), or accelerator.accumulate alone with equal micro-batches (the setting outlives the "
-            "Accelerator object: set accelerator.gradient_accumulation_steps = 1 to use autotune.accumulate)"
+            "Accelerator object: set accelerator.gradient_accumulation_steps = 1 to use autotune.plans.accumulate)"
         )
 
 

@@ -1,6 +1,6 @@
 """Workloads made of a job's live objects: its model, optimizer, data and loss, as the job has them.
 
-`Workload.from_model` calls `workload_from_model`. What it makes of each object:
+`Workload.from_model` builds a Workload from `live_parts`. What it makes of each object:
 
 - the model is used as it is: trials run on it and restore its parameters and buffers afterwards,
   so the job gets it back unchanged;
@@ -10,7 +10,7 @@
   with the parameters;
 - the data: a DataLoader (its dataset and collate function) or a Dataset (with `collate`) is
   scanned for its worst-case samples and batches of any size are collated from them
-  (`autotune.worstcase`); anything else is one batch of the job's, whose rows are repeated to make
+  (`autotune.workloads.worstcase`); anything else is one batch of the job's, whose rows are repeated to make
   any size;
 - the loss: a function of (model, batch), or by default the model's own loss, `model(**batch).loss`
   (a Hugging Face model given labels), as the Trainer takes it.
@@ -22,13 +22,15 @@ Live objects cannot be re-created in another process, so they are probed in the 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from autotune.errors import WorkloadError
-from autotune.workload import OptimizerSpec, Precision, Workload
+
+if TYPE_CHECKING:
+    from autotune.workloads.workload import OptimizerSpec
 
 
 class OptimizerCopy:
@@ -111,7 +113,7 @@ def batch_maker(
     data: Any, collate: Callable[[list[Any]], Any] | None, scan_limit: int
 ) -> tuple[Callable[[int, torch.device], Any], dict[str, str | int | float | bool]]:
     """make_batch(b, device), and the input spec that names the samples and shapes it uses."""
-    from autotune import worstcase
+    from autotune.workloads import worstcase
 
     if _is_dataset(data):
         worst = worstcase.find_worst_case(data, collate, limit=scan_limit)
@@ -130,28 +132,25 @@ def batch_maker(
     return make_batch, {"batch": "given, rows repeated", **shapes}
 
 
-def workload_from_model(
+def live_parts(
     model: nn.Module,
     *,
     batch: Any,
-    optimizer: OptimizerSpec | torch.optim.Optimizer = "adamw",
-    loss: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-    collate: Callable[[list[Any]], Any] | None = None,
-    precision: Precision | str = Precision.FP32,
-    name: str | None = None,
-    optimizer_kwargs: Mapping[str, Any] | None = None,
-    scan_limit: int = 10_000,
-) -> Workload:
+    optimizer: OptimizerSpec | torch.optim.Optimizer,
+    loss: Callable[[nn.Module, Any], torch.Tensor] | None,
+    collate: Callable[[list[Any]], Any] | None,
+    name: str | None,
+    scan_limit: int,
+) -> dict[str, Any]:
+    """The fields of a `Workload` made of a job's live objects (`Workload.from_model` builds it)."""
     if not isinstance(model, nn.Module):
         raise WorkloadError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     make_batch, spec = batch_maker(batch, collate, scan_limit)
-    return Workload(
-        build_model=lambda: model,
-        make_batch=make_batch,
-        loss=loss or model_loss,
-        name=name or type(model).__name__,
-        optimizer=optimizer_spec(optimizer, model),
-        optimizer_kwargs=dict(optimizer_kwargs or {}),
-        precision=precision,  # type: ignore[arg-type]  # Workload checks and converts it
-        input_spec=spec,
-    )
+    return {
+        "build_model": lambda: model,
+        "make_batch": make_batch,
+        "loss": loss or model_loss,
+        "name": name or type(model).__name__,
+        "optimizer": optimizer_spec(optimizer, model),
+        "input_spec": spec,
+    }

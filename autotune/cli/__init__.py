@@ -31,12 +31,12 @@ from rich.text import Text
 
 from autotune import __version__
 from autotune.errors import AutotuneError, ConfigError, DeviceError, PlanError, ProbeError, WorkloadError, report
-from autotune.plan import Plan, Policy, parse_policy, plan
+from autotune.plans.plan import Plan, Policy, parse_policy, plan
 from autotune.units import format_bytes, parse_headroom, parse_size
 
 if TYPE_CHECKING:
-    from autotune.mixed import MixedPlan
-    from autotune.probe import ProbeRequest
+    from autotune.engine.probe import ProbeRequest
+    from autotune.plans.mixed import MixedPlan
     from autotune.progress import TrialProgress
     from autotune.results import ProbeResult, TrialRecord
     from autotune.settings import Settings
@@ -563,7 +563,7 @@ def _run_with_progress(request: ProbeRequest, in_process: bool, timeout: float) 
     view = ProgressView(f"probing {request.target}", isolated=not in_process)
 
     def run(on_trial: Callable[[TrialRecord], None], on_progress: Callable[[TrialProgress], None]) -> ProbeResult:
-        from autotune.confirm import probe_and_confirm
+        from autotune.engine.confirm import probe_and_confirm
 
         return probe_and_confirm(
             request,
@@ -696,7 +696,7 @@ def _confirmation_lines(result: ProbeResult) -> list[str]:
 
 def _predicted_words(predicted: int) -> str:
     """The timelines' prediction; at the model's ceiling it is a lower bound (the search went on)."""
-    from autotune.search import MAX_PREDICTED_BATCH  # no torch
+    from autotune.engine.search import MAX_PREDICTED_BATCH  # no torch
 
     if predicted >= MAX_PREDICTED_BATCH:
         return f"at least {predicted:,} (the curve is not followed past that: the search went on from there)"
@@ -806,7 +806,7 @@ def _mixed_plan_command(
     mode_name: str | None,
     json_output: bool,
 ) -> None:
-    from autotune.mixed import Group, Mode, mixed_plan, parse_mode
+    from autotune.plans.mixed import Group, Mode, mixed_plan, parse_mode
 
     try:
         mode = parse_mode(mode_name if mode_name is not None else Mode.PER_MODEL)
@@ -857,7 +857,7 @@ def _mixed_plan_command(
 
 def mixed_plan_lines(p: MixedPlan) -> list[str]:
     """A mixed plan for people, as markup (user text escaped): one line per kind of rank."""
-    from autotune.mixed import mixed_arithmetic
+    from autotune.plans.mixed import mixed_arithmetic
 
     steps = p.accumulation_steps
     shape = "one micro-step per optimizer step (no accumulation)" if steps == 1 else f"{steps} accumulation steps"
@@ -890,8 +890,8 @@ def devices(
 ) -> None:
     """List the GPUs NVML sees: memory (v2 with reserved where the driver has it), compute processes
     and MIG instances. Exits 1 when NVML cannot be read (the reason says why)."""
-    from autotune.devices_view import print_inventory
-    from autotune.nvml import inventory
+    from autotune.cli.inventory import print_inventory
+    from autotune.devices.nvml import inventory
 
     inv = inventory()
     if json_output:
@@ -961,8 +961,8 @@ def estimate(
         raise ConfigError(f"--max-batch {max_batch} is below --granularity {granularity}: raise --max-batch")
     _settings()
 
-    from autotune.estimate import CUDA_OVERHEAD_BYTES  # torch: only now
-    from autotune.estimate import estimate as run_estimate
+    from autotune.engine.estimate import CUDA_OVERHEAD_BYTES  # torch: only now
+    from autotune.engine.estimate import estimate as run_estimate
 
     result = run_estimate(
         target,
@@ -1028,7 +1028,7 @@ def _policy(value: str) -> Policy:
 
 
 def _device(spec: str | None) -> None:
-    """The same rule as autotune.probe.parse_device, without importing torch first."""
+    """The same rule as autotune.engine.probe.parse_device, without importing torch first."""
     if spec is None:
         return
     text = spec.strip().lower()
@@ -1067,7 +1067,7 @@ def _headroom(flag: str, text: str | None) -> float | int | None:
 
 
 def _check_options(pairs: list[str] | None) -> list[str]:
-    """The -o pairs, checked as autotune.workload.parse_options will parse them (it imports torch)."""
+    """The -o pairs, checked as autotune.workloads.workload.parse_options will parse them (it imports torch)."""
     for pair in pairs or []:
         key, sep, _ = pair.partition("=")
         if not sep or not key.strip():
@@ -1090,7 +1090,7 @@ def _check_target(request: ProbeRequest, in_process: bool) -> None:
 
     check_target(request.target)
     if in_process:
-        from autotune.probe import load_workload  # torch
+        from autotune.engine.probe import load_workload  # torch
 
         load_workload(request)
 
@@ -1387,7 +1387,7 @@ def run(args: Sequence[str]) -> int:
         err.print("aborted", highlight=False, markup=False)
         return 130
     except Exception as exc:  # noqa: BLE001 - nobody classified it (a workload's error with --in-process): one line
-        from autotune.usercode import unexpected
+        from autotune.workloads.usercode import unexpected
 
         error = unexpected(exc)
         return _fail(str(error), 1, failed, report(error), as_json, error)

@@ -8,7 +8,7 @@ form that the request and the result both give:
 
 - the workload as target and options (not its registered name: two names for the same thing
   share results), with precision, optimizer, steps, cap and granularity resolved;
-- what the workload builds, recorded when the registry loaded (`autotune.registry`): the model's
+- what the workload builds, recorded when the registry loaded (`autotune.workloads.registry`): the model's
   structure (`model_fingerprint`: the module tree on the meta device, class names, parameter and
   buffer names, shapes, dtypes) and its source (`source_hash`: the user's files that define the
   workload and its model). The name, target and options stay the same when a model file is
@@ -42,13 +42,14 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from autotune import __version__, fingerprint
+from autotune import __version__
 from autotune.errors import ConfigError, WorkloadError
-from autotune.probe import headroom_bytes
-from autotune.registry import RegisteredWorkload
 from autotune.results import SCHEMA_VERSION, ParallelSpec, ProbeResult
-from autotune.units import format_bytes
-from autotune.workload import OptionValue, resolve
+from autotune.units import format_bytes, headroom_bytes
+from autotune.workloads import fingerprint
+from autotune.workloads.registry import RegisteredWorkload
+from autotune.workloads.targets import resolve
+from autotune.workloads.workload import OptionValue
 
 
 class DeviceKey(BaseModel):

@@ -15,18 +15,18 @@ says `builtins = false`:
     max_batch = 4096                    # optional probe defaults: max_batch, granularity, steps, prefetch
     granularity = 8
 
-Loading resolves every entry once (`autotune.workload.resolve`: it imports the target's module and
+Loading resolves every entry once (`autotune.workloads.targets.resolve`: it imports the target's module and
 calls its factory), so a typo fails at start-up with the file and the entry named, and each entry
 knows its default precision and optimizer. The same file serves `AutotuneClient(fallback="local")`,
 which probes a registered workload inside the training job.
 
-Loading also records what each entry builds, for the request keys (`autotune.probekey`), so that
+Loading also records what each entry builds, for the request keys (`autotune.workloads.probekey`), so that
 an edited model stops being answered from results probed before the edit:
 
 - `model_fingerprint`: the model is built on the meta device (no memory, no GPU; in-place
   initializers are skipped, since meta tensors hold no values) and its module tree is hashed:
   module classes by qualified name, parameter and buffer names, shapes and dtypes
-  (`autotune.fingerprint.model_digest`). A few milliseconds per model.
+  (`autotune.workloads.fingerprint.model_digest`). A few milliseconds per model.
 - `source_hash`: sha256 of the source files that define the workload, read from disk at load time:
   the target's module and attribute (a built-in example's factory), the workload's functions and
   optimizer class, and every class in the model's modules' MROs, leaving out torch, the standard
@@ -49,7 +49,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from autotune.errors import ConfigError, WorkloadError
-from autotune.workload import OptionValue
+from autotune.workloads.workload import OptionValue
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 _NAME = re.compile(NAME_PATTERN)
@@ -144,9 +144,11 @@ class Registry:
 
 def register(name: str, entry: Mapping[str, Any], *, where: str = "workloads") -> RegisteredWorkload:
     """Validate one entry and resolve its target. Raises ConfigError naming `where` and `name`."""
-    from autotune.fingerprint import registration_digests  # imports torch: only when a registry is really built
     from autotune.parallel import sharding_name
-    from autotune.workload import resolve
+    from autotune.workloads.fingerprint import (
+        registration_digests,  # imports torch: only when a registry is really built
+    )
+    from autotune.workloads.targets import resolve
 
     if not _NAME.match(name):
         raise ConfigError(
@@ -188,7 +190,7 @@ def _first_line(text: str | None) -> str:
 
 def builtin_entries() -> dict[str, RegisteredWorkload]:
     """The built-in examples, each registered under its own name with its default options."""
-    from autotune import examples
+    from autotune.workloads import examples
 
     entries = {}
     for name in examples.example_names():

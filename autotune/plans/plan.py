@@ -123,7 +123,7 @@ def plan(
             warnings.append(
                 f"micro-batches of {base + 1} and {base} samples: a mean loss per micro-batch divided by the "
                 f"{fewest} steps weighs their samples unequally; multiply each micro-step's mean loss by "
-                "step.scale (autotune.accumulate) or the plan's loss_weights"
+                "step.scale (autotune.plans.accumulate) or the plan's loss_weights"
             )
         return _build(policy, effective_batch, world_size, max_micro_batch, sizes, warnings)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from autotune.nvml import GpuInfo, GpuProcess, Inventory, MigDeviceInfo, describe_processes
+from autotune.devices.nvml import GpuInfo, GpuProcess, Inventory, MigDeviceInfo, describe_processes
 from autotune.units import format_bytes
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from autotune.plan import Policy, plan
+from autotune.plans.plan import Policy, plan
 from autotune.results import ThroughputCandidate, ThroughputChoice, TrialRecord
 
 # Extra sizes timed for the throughput objective below the answer (halvings): a predicted search

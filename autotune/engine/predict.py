@@ -35,10 +35,8 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autotune.budget import ROUNDING
-from autotune.errors import FlatMemoryError, NothingFitsError
-from autotune.results import CurvePoint, Prediction, TrialRecord
-from autotune.search import (
+from autotune.devices.budget import ROUNDING
+from autotune.engine.search import (
     MAKE_BATCH_HINT,
     MAX_PREDICTED_BATCH,
     SearchOutcome,
@@ -46,7 +44,9 @@ from autotune.search import (
     search,
     search_from_guess,
 )
-from autotune.trial import ProbeDevice
+from autotune.engine.trial import ProbeDevice
+from autotune.errors import FlatMemoryError, NothingFitsError
+from autotune.results import CurvePoint, Prediction, TrialRecord
 from autotune.units import format_bytes
 
 # Batch 1 can run a different op sequence (a squeezed dimension, a fast path), so the pair starts

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from autotune.errors import ConfigError
-from autotune.plan import Plan
+from autotune.plans.plan import Plan
 
 
 def plan_windows(indices: list[int], plan: Plan, drop_last: bool = False) -> Iterator[list[int]]:

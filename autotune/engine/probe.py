@@ -2,7 +2,7 @@
 
 `ProbeRequest` is everything a probe needs, as plain data (`autotune.request`, re-exported here):
 the CLI builds one from its flags, the service from a request body, and the isolated child receives
-one over a pipe. `run_probe` runs it in this process; `autotune.isolation.run_isolated` runs it in a
+one over a pipe. `run_probe` runs it in this process; `autotune.engine.isolation.run_isolated` runs it in a
 fresh child interpreter.
 
 `probe_workload` probes a Workload *object* (live objects, `Workload.from_model`, or a framework's
@@ -22,12 +22,16 @@ from collections.abc import Callable
 
 import torch
 
-from autotune import __version__, fingerprint, gpu, nvml
-from autotune.budget import BudgetDevice
+from autotune import __version__
+from autotune.devices import cuda
+from autotune.devices import nvml
+from autotune.devices.budget import BudgetDevice
+from autotune.engine.objective import time_and_choose
+from autotune.engine.predict import predicted_search
+from autotune.engine.search import SearchOutcome, search, search_from_guess
+from autotune.engine.trial import ProbeDevice, TrainLoop, TrialRunner
 from autotune.errors import ConfigError, InsufficientMemoryError
-from autotune.objective import time_and_choose
 from autotune.parallel import sharding_name
-from autotune.predict import predicted_search
 from autotune.progress import ProgressCallback
 from autotune.request import ProbeRequest, TrialCallback, parse_device, with_plan  # (re-exported)
 from autotune.results import (
@@ -40,11 +44,11 @@ from autotune.results import (
     Versions,
     WorkloadRef,
 )
-from autotune.search import SearchOutcome, search, search_from_guess
 from autotune.settings import get_settings
-from autotune.trial import ProbeDevice, TrainLoop, TrialRunner
-from autotune.units import format_bytes
-from autotune.workload import Workload, resolve
+from autotune.units import format_bytes, headroom_bytes
+from autotune.workloads import fingerprint
+from autotune.workloads.targets import resolve
+from autotune.workloads.workload import Workload
 
 
 def device_spec(device: torch.device) -> str:
@@ -52,15 +56,9 @@ def device_spec(device: torch.device) -> str:
     return "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}"
 
 
-def headroom_bytes(budget_bytes: int, headroom: float | int) -> int:
-    if isinstance(headroom, float):
-        return int(budget_bytes * headroom)
-    return int(headroom)
-
-
 def resolve_device_kind(request: ProbeRequest) -> tuple[str, int]:
     if request.device is None:
-        return ("cuda", 0) if gpu.cuda_available() else ("cpu", 0)
+        return ("cuda", 0) if cuda.cuda_available() else ("cpu", 0)
     return parse_device(request.device)
 
 
@@ -77,7 +75,7 @@ def open_device(request: ProbeRequest) -> tuple[ProbeDevice, str, int, int]:
         _check_limit(budget, room)
         return BudgetDevice(budget, budget - room), policy_name, budget, room
 
-    free, total = gpu.card_memory(index)
+    free, total = cuda.card_memory(index)
     if policy == "free":
         budget, policy_name = free, "free"
     else:
@@ -97,7 +95,7 @@ def open_device(request: ProbeRequest) -> tuple[ProbeDevice, str, int, int]:
         )
     room = headroom_bytes(budget, headroom)
     _check_limit(budget, room)
-    return gpu.CudaDevice(index, budget - room), policy_name, budget, room
+    return cuda.CudaDevice(index, budget - room), policy_name, budget, room
 
 
 def _check_limit(budget: int, room: int) -> None:
@@ -145,7 +143,7 @@ def as_requested(workload: Workload, request: ProbeRequest) -> Workload:
 
 
 def result_fingerprint(workload: Workload, request: ProbeRequest, info: DeviceInfo, limit_bytes: int) -> str:
-    """The result's fingerprint. `autotune.fingerprint.result_environment` reads the same
+    """The result's fingerprint. `autotune.workloads.fingerprint.result_environment` reads the same
     environment back from the result, so that the service can check a published result's model."""
     environment = fingerprint.probe_environment(
         steps=request.steps,
@@ -158,7 +156,7 @@ def result_fingerprint(workload: Workload, request: ProbeRequest, info: DeviceIn
         prefetch=request.prefetch,
         torch_version=torch.__version__,
         cuda_version=torch.version.cuda,
-        allocator=gpu.allocator_config(),
+        allocator=cuda.allocator_config(),
         parallel=workload.parallel,
     )
     return fingerprint.fingerprint(workload, **environment)
@@ -178,7 +176,7 @@ def run_probe(
     on_progress: ProgressCallback | None = None,
 ) -> ProbeResult:
     """Search both loop shapes in this process; the fresh-process confirmation is
-    `autotune.confirm`'s. Raises ConfigError, WorkloadError or ProbeError.
+    `autotune.engine.confirm`'s. Raises ConfigError, WorkloadError or ProbeError.
 
     `workload`: probe this object rather than the request's target. `train`: makes the job's own
     loop for the runner (a framework's), run instead of the workload's step. `on_progress`: told
@@ -259,7 +257,7 @@ def run_probe(
         throughput=throughput,
         trials=trials,
         batch_norm=any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in runner.model.modules()),
-        allocator_config=gpu.allocator_config(),
+        allocator_config=cuda.allocator_config(),
         versions=versions(),
         duration_seconds=time.perf_counter() - started,
     )

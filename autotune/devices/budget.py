@@ -67,7 +67,7 @@ class _Counter:
         self.peak_serial = 0
         # When a list, every op appends ("op", name, live bytes after it) and every storage
         # ("born", key, raw bytes) / ("died", key, counted bytes): the memory-curve predictor
-        # (autotune.predict) compares these across batch sizes.
+        # (autotune.engine.predict) compares these across batch sizes.
         self.timeline: list[tuple[str, int | str, int]] | None = None
 
     def add(self, storage: torch.UntypedStorage) -> int | None:

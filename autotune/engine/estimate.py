@@ -34,15 +34,16 @@ from pydantic import BaseModel, Field
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autotune import probe
-from autotune.budget import BudgetDevice
+from autotune.devices.budget import BudgetDevice
+from autotune.engine import probe
+from autotune.engine.predict import predicted_search
+from autotune.engine.trial import TrialRunner
 from autotune.errors import ConfigError, NotAnOOMError, WorkloadError
-from autotune.predict import predicted_search
 from autotune.results import CurvePoint, TrialRecord
 from autotune.settings import get_settings
-from autotune.trial import TrialRunner
 from autotune.units import format_bytes
-from autotune.workload import OptionValue, Workload, resolve
+from autotune.workloads.targets import resolve
+from autotune.workloads.workload import OptionValue, Workload
 
 # torch's logger that prints a traceback for each op whose fake (meta) kernel fails.
 _FAKE_TENSOR_LOG = "torch._subclasses.fake_tensor"
@@ -164,7 +165,7 @@ def estimate(
     with fake_execution() as (mode, failures):
         model = fake_model(workload, mode)
         with mode:
-            # The accumulating loop: the answer that holds whatever the plan (see autotune.probe).
+            # The accumulating loop: the answer that holds whatever the plan (see autotune.engine.probe).
             runner = TrialRunner(workload, device, steps=steps, model=model, micro_steps=probe.ACCUMULATING_MICRO_STEPS)
 
             def trial(batch: int) -> TrialRecord:

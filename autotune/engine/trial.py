@@ -35,12 +35,14 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from autotune import oom, parallel, usercode
+from autotune import parallel
+from autotune.engine import oom
 from autotune.errors import NotAnOOMError, NothingFitsError
 from autotune.progress import ProgressCallback, TrialProgress
 from autotune.results import LoopShape, MemoryBreakdown, MemoryRole, TrialRecord
 from autotune.units import format_bytes
-from autotune.workload import Precision, Workload
+from autotune.workloads import usercode
+from autotune.workloads.workload import Precision, Workload
 
 
 class ProbeDevice(Protocol):
