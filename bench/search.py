@@ -55,11 +55,12 @@ sys.path.insert(0, str(ROOT))
 
 from autotune.devices import cuda as gpu  # noqa: E402
 from autotune.devices.budget import BudgetDevice  # noqa: E402
+from autotune.devices.device import ProbeDevice  # noqa: E402
 from autotune.engine import oom  # noqa: E402
 from autotune.engine.estimate import estimate  # noqa: E402
 from autotune.engine.predict import predicted_search  # noqa: E402
 from autotune.engine.search import search  # noqa: E402
-from autotune.engine.trial import ProbeDevice, TrialRunner  # noqa: E402
+from autotune.engine.trial import TrialRunner  # noqa: E402
 from autotune.errors import NothingFitsError  # noqa: E402
 from autotune.workloads.targets import resolve  # noqa: E402
 from autotune.workloads.workload import Workload  # noqa: E402

@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import autotune
-from autotune.plans.accumulate import accumulate
+from autotune import accumulate
 
 torch.manual_seed(0)
 inputs = torch.randn(100, 8)

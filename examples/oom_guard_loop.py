@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import autotune
+from autotune import OOMGuard
 from autotune.devices.budget import BudgetDevice
-from autotune.plans.accumulate import OOMGuard
 
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 1024), nn.GELU(), nn.Linear(1024, 1))

@@ -13,6 +13,7 @@ import torch
 from torch.optim import optimizer as optimizer_module
 
 from autotune import cli
+from autotune.cli.summary import breakdown_lines
 from autotune.devices.budget import BudgetDevice, rounded
 from autotune.devices.cuda import CudaDevice
 from autotune.engine.probe import ProbeRequest, run_probe
@@ -109,7 +110,7 @@ def test_a_stored_result_without_a_breakdown_still_loads_and_draws() -> None:
         trial.pop("breakdown")
     document.pop("breakdown")
     loaded = ProbeResult.model_validate(document)
-    assert loaded.breakdown is None and cli._breakdown_lines(loaded) == []
+    assert loaded.breakdown is None and breakdown_lines(loaded) == []
     assert render_plot(loaded).startswith(PNG_MAGIC)
     # And a result with one round-trips through its JSON (the service stores it so).
     result = _probed("adamw")
@@ -119,7 +120,7 @@ def test_a_stored_result_without_a_breakdown_still_loads_and_draws() -> None:
 
 
 def test_the_summary_says_what_fills_the_memory_and_what_would_save_the_most() -> None:
-    lines = cli._breakdown_lines(_probed("adamw"))
+    lines = breakdown_lines(_probed("adamw"))
     assert lines[0].startswith("  at the peak (") and "allocated, in aten." in lines[0]
     for label in ("parameters", "gradients", "optimizer state", "activations and temporaries"):
         assert label in lines[0]

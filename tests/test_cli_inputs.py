@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from autotune import __version__, cli
+from autotune.cli import probe as probe_command
+from autotune.cli.summary import print_summary
 from autotune.plans.plan import plan
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +34,7 @@ def autotune(
     def no_probe(*args: object, **kwargs: object) -> None:
         raise AssertionError("a probe started: the input should have been refused before it")
 
-    monkeypatch.setattr(cli, "_run_with_progress", no_probe)
+    monkeypatch.setattr(probe_command, "run_with_progress", no_probe)
     monkeypatch.chdir(ROOT)
     for name in (
         "AUTOTUNE_PROBE_TIMEOUT",
@@ -371,7 +373,7 @@ def test_the_summary_prints_user_text_as_it_is(capsys: pytest.CaptureFixture[str
         for t in result.trials
     ]
     result = result.model_copy(update={"trials": trials, "plan": plan(100, 12)})
-    cli._print_summary(result)
+    print_summary(result)
     stdout = capsys.readouterr().out
     assert "device: gpu:factory: [bold]x[/bold];" in stdout
     assert "13 ran out of memory: shape [batch, 16] :factory: out of memory" in stdout
@@ -387,7 +389,7 @@ def test_accepted_inputs_reach_the_probe_as_given(
         seen.append((request, in_process, timeout))
         raise SystemExit(0)
 
-    monkeypatch.setattr(cli, "_run_with_progress", stop)
+    monkeypatch.setattr(probe_command, "run_with_progress", stop)
     monkeypatch.setenv("AUTOTUNE_PROBE_TIMEOUT", "60")
     # --min-free-memory is a CUDA device's (refused on the budget device), --timeout an isolated probe's.
     args = ["probe", "mlp", "--device", "cuda", "--memory", "64MiB", "--min-free-memory", "0", "--headroom", "0"]

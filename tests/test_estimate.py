@@ -144,10 +144,10 @@ def test_the_readme_estimate_table_reproduces() -> None:
 def test_a_prediction_at_the_curves_ceiling_is_said_to_be_a_lower_bound() -> None:
     """The timelines' curve is not followed past MAX_PREDICTED_BATCH; the search goes on from there.
     `estimate mlp --memory 9TB --overhead 0` said 'predicted 16777216' beside an answer of 257,714,840."""
-    from autotune import cli
+    from autotune.cli.summary import predicted_words
     from autotune.engine.search import MAX_PREDICTED_BATCH
 
-    assert cli._predicted_words(MAX_PREDICTED_BATCH).startswith(
+    assert predicted_words(MAX_PREDICTED_BATCH).startswith(
         f"at least {MAX_PREDICTED_BATCH:,} (the curve is not followed past that"
     )
-    assert cli._predicted_words(MAX_PREDICTED_BATCH - 1) == str(MAX_PREDICTED_BATCH - 1)
+    assert predicted_words(MAX_PREDICTED_BATCH - 1) == str(MAX_PREDICTED_BATCH - 1)

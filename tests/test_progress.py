@@ -18,6 +18,8 @@ import pytest
 from rich.console import Console
 
 from autotune import cli
+from autotune.cli import progress as cli_progress
+from autotune.cli.progress import ProgressView
 from autotune.devices.budget import BudgetDevice
 from autotune.engine.trial import TrialRunner
 from autotune.progress import TrialProgress, throttled
@@ -57,7 +59,7 @@ def test_throttled_passes_each_trial_s_first_report_then_one_per_interval() -> N
     assert [(p.step, p.micro_step) for p in passed] == [(1, 1), (1, 3), (1, 1), (2, 1)]
 
 
-def _render(view: cli.ProgressView) -> str:
+def _render(view: ProgressView) -> str:
     console = Console(file=io.StringIO(), force_terminal=True, color_system=None, width=120)
     console.print(view)
     text = console.file.getvalue()  # type: ignore[attr-defined]
@@ -66,7 +68,7 @@ def _render(view: cli.ProgressView) -> str:
 
 def test_the_terminal_view_shows_the_table_and_the_running_step_with_a_spinner() -> None:
     now = [100.0]
-    view = cli.ProgressView("probing gpt", clock=lambda: now[0])
+    view = ProgressView("probing gpt", clock=lambda: now[0])
     assert "starting the probe process · 0.0 s" in _render(view)
     view.trial(TrialRecord(batch=32, fits=True, seconds=1.25, peak_reserved_bytes=3 * 2**20))
     view.progress(TrialProgress(batch=64, step=2, steps=2, micro_step=1, micro_steps=3, seconds=3.0))
@@ -178,7 +180,7 @@ def test_piped_output_says_a_long_step_is_still_running(
 ) -> None:
     """A step that runs long sends no new report; in a log, a line every _HEARTBEAT_SECONDS says it
     is still running, with its time so far (batch 2 hangs here until the probe's timeout)."""
-    monkeypatch.setattr(cli, "_HEARTBEAT_SECONDS", 0.25)
+    monkeypatch.setattr(cli_progress, "HEARTBEAT_SECONDS", 0.25)
     monkeypatch.chdir(ROOT)
     code = cli.run(["probe", "tests.workloads:hangs", *TINY, "--no-confirm", "--timeout", "5"])
     stderr = capsys.readouterr().err

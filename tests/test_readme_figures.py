@@ -39,7 +39,8 @@ def _quoted(fragment: str) -> None:
 # Constants and defaults ---------------------------------------------------------------------------
 def test_the_constants_it_quotes_are_the_codes() -> None:
     from api import jobs, schemas, status_page
-    from autotune import cli
+    from autotune.cli import checks
+    from autotune.cli import progress as cli_progress
     from autotune.devices import budget
     from autotune.engine import confirm, estimate, objective, search
     from autotune.workloads import examples
@@ -50,9 +51,9 @@ def test_the_constants_it_quotes_are_the_codes() -> None:
         ("the allocator's 512-byte blocks", budget.ROUNDING, 512),
         ("rounded to 512 B", budget.ROUNDING, 512),
         ("`CUDA_OVERHEAD_BYTES = 768 MiB`", estimate.CUDA_OVERHEAD_BYTES, 768 * MIB),
-        ("plans of more than 10,000 accumulation steps", cli.MAX_ACCUMULATION_STEPS, 10_000),
-        ("one every 30 s while a step runs long", cli._HEARTBEAT_SECONDS, 30),
-        ("an effective batch above 10,000,000 samples per rank", cli.MAX_SAMPLES_PER_RANK, 10_000_000),
+        ("plans of more than 10,000 accumulation steps", checks.MAX_ACCUMULATION_STEPS, 10_000),
+        ("one every 30 s while a step runs long", cli_progress.HEARTBEAT_SECONDS, 30),
+        ("an effective batch above 10,000,000 samples per rank", checks.MAX_SAMPLES_PER_RANK, 10_000_000),
         ("times up to three halvings of the answer", objective.EXTRA_TIMED_SIZES, 3),
         ("up to 3 accumulated micro-steps for `max_micro_batch`", confirm.CONFIRM_MICRO_STEPS, 3),
         ("answered from memory for 5 minutes", jobs.FAILURE_MEMORY_SECONDS, 300),

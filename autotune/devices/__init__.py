@@ -1,6 +1,7 @@
-"""The devices a probe runs on, behind one seam (`ProbeDevice` in `budget`): what a trial asks of a
+"""The devices a probe runs on, behind one seam (`ProbeDevice` in `device`): what a trial asks of a
 device is its limit, its counters and a reset, whatever the device is.
 
+    device     `ProbeDevice`, the protocol every device implements
     budget     the CPU budget device: a simulated accelerator memory that raises a real OOM
     cuda       a CUDA GPU as a probing device: the headroom cap and the caching allocator's counters
     nvml       the GPU inventory as NVML reports it (never initialises CUDA)

@@ -332,8 +332,9 @@ def _child(answer_fd: int) -> None:
 
 def _one_trial(job: FreshRunRequest, on_progress: ProgressCallback | None = None) -> TrialRecord:
     from autotune.devices.budget import BudgetDevice
+    from autotune.devices.device import ProbeDevice
     from autotune.engine.probe import load_workload
-    from autotune.engine.trial import ProbeDevice, TrialRunner
+    from autotune.engine.trial import TrialRunner
 
     workload = load_workload(job.probe)
     device: ProbeDevice

@@ -36,6 +36,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotune.devices.budget import ROUNDING
+from autotune.devices.device import ProbeDevice
 from autotune.engine.search import (
     MAKE_BATCH_HINT,
     MAX_PREDICTED_BATCH,
@@ -44,7 +45,6 @@ from autotune.engine.search import (
     search,
     search_from_guess,
 )
-from autotune.engine.trial import ProbeDevice
 from autotune.errors import FlatMemoryError, NothingFitsError
 from autotune.results import CurvePoint, Prediction, TrialRecord
 from autotune.units import format_bytes

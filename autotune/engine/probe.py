@@ -23,13 +23,13 @@ from collections.abc import Callable
 import torch
 
 from autotune import __version__
-from autotune.devices import cuda
-from autotune.devices import nvml
+from autotune.devices import cuda, nvml
 from autotune.devices.budget import BudgetDevice
+from autotune.devices.device import ProbeDevice
 from autotune.engine.objective import time_and_choose
 from autotune.engine.predict import predicted_search
 from autotune.engine.search import SearchOutcome, search, search_from_guess
-from autotune.engine.trial import ProbeDevice, TrainLoop, TrialRunner
+from autotune.engine.trial import TrainLoop, TrialRunner
 from autotune.errors import ConfigError, InsufficientMemoryError
 from autotune.parallel import sharding_name
 from autotune.progress import ProgressCallback

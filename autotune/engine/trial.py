@@ -27,44 +27,23 @@ from __future__ import annotations
 import gc
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from autotune import parallel
+from autotune.devices.device import ProbeDevice
 from autotune.engine import oom
 from autotune.errors import NotAnOOMError, NothingFitsError
 from autotune.progress import ProgressCallback, TrialProgress
-from autotune.results import LoopShape, MemoryBreakdown, MemoryRole, TrialRecord
+from autotune.results import LoopShape, TrialRecord
 from autotune.units import format_bytes
 from autotune.workloads import usercode
 from autotune.workloads.workload import Precision, Workload
-
-
-class ProbeDevice(Protocol):
-    """What the runner needs from a device: the CUDA GPU or the CPU budget device."""
-
-    kind: str
-    name: str
-    total_bytes: int
-    limit_bytes: int
-    torch_device: torch.device
-
-    def track(self, tensors: Iterable[torch.Tensor]) -> None: ...
-    def mark(self, tensors: Iterable[torch.Tensor], role: MemoryRole) -> None: ...
-    def peak_breakdown(self) -> MemoryBreakdown | None: ...
-    def live_bytes(self) -> int: ...
-    def peak_allocated_bytes(self) -> int: ...
-    def peak_reserved_bytes(self) -> int: ...
-    def reset_peak(self) -> None: ...
-    def empty_cache(self) -> None: ...
-    def synchronize(self) -> None: ...
-    def active(self) -> AbstractContextManager[None]: ...
-
 
 _AUTOCAST = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 

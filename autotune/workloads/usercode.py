@@ -21,7 +21,7 @@ from autotune.errors import AutotuneError, ProbeError
 
 E = TypeVar("E", bound=AutotuneError)
 
-_AUTOTUNE = Path(__file__).resolve().parent
+_AUTOTUNE = Path(__file__).resolve().parent.parent  # the autotune package, not this subpackage
 _LIBRARIES = tuple(
     {Path(sysconfig.get_paths()[key]).resolve() for key in ("stdlib", "platstdlib", "purelib", "platlib")}
 )

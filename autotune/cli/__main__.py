@@ -1,0 +1,5 @@
+"""`python -m autotune.cli`: the same as the `autotune` command."""
+
+from autotune.cli import main
+
+main()

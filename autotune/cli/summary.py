@@ -1,0 +1,241 @@
+"""The words of a result, for people: the summary of a probe, its plan, what filled the memory,
+the confirmation and the prediction; a plan's and a mixed plan's lines; an estimate.
+
+Lines are rich markup with user text escaped, except where a function says plain text.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from rich.markup import escape
+from rich.table import Table
+
+from autotune.cli.app import out
+from autotune.units import format_bytes
+
+if TYPE_CHECKING:
+    from autotune.engine.estimate import EstimateResult
+    from autotune.plans.mixed import MixedPlan
+    from autotune.plans.plan import Plan
+    from autotune.results import ProbeResult, TrialRecord
+
+
+def trial_table(trials: list[TrialRecord], title: str) -> Table:
+    table = Table(title=escape(title), title_justify="left")
+    table.add_column("#", justify="right")
+    table.add_column("batch", justify="right")
+    table.add_column("micro-steps", justify="right")
+    table.add_column("result")
+    table.add_column("peak allocated", justify="right")
+    table.add_column("peak reserved", justify="right")
+    table.add_column("seconds", justify="right")
+    table.add_column("samples/s", justify="right")
+    for i, t in enumerate(trials, 1):
+        table.add_row(
+            str(i),
+            str(t.batch),
+            str(t.micro_steps),
+            "[green]fits[/]" if t.fits else "[red]OOM[/]",
+            format_bytes(t.peak_allocated_bytes),
+            format_bytes(t.peak_reserved_bytes),
+            f"{t.seconds:.2f}",
+            f"{t.samples_per_second:.1f}" if t.samples_per_second else "-",
+        )
+    return table
+
+
+def plan_arithmetic(p: Plan) -> str:
+    """The plan as exact arithmetic, micro-batch × steps: "17 × 4 + 16 × 2 = effective batch 100";
+    "(684 + 683 × 2) × world size 2 = effective batch 4100". A size that runs once has no "× 1"."""
+    terms = [f"{m} × {n}" if n > 1 else str(m) for m, n in Counter(p.micro_batches).items()]
+    expression = " + ".join(terms)
+    if p.world_size > 1:
+        expression = f"({expression})" if len(terms) > 1 else expression
+        expression += f" × world size {p.world_size}"
+    return f"{expression} = effective batch {p.achieved_effective_batch}"
+
+
+def plan_lines(p: Plan) -> list[str]:
+    """The plan for people, as markup (user text escaped)."""
+    sizes = p.micro_batches
+    shown = (
+        ", ".join(map(str, sizes))
+        if len(sizes) <= 12
+        else f"{', '.join(map(str, sizes[:10]))}, ... ({len(sizes)} steps)"
+    )
+    steps = p.accumulation_steps
+    if steps == 1:
+        shape = "one micro-step per optimizer step (no accumulation)"
+    else:
+        equal = len(set(sizes)) == 1
+        shape = f"{steps} accumulation steps of {'' if equal else 'at most '}{p.micro_batch} (micro-batch × steps)"
+    lines = [f"plan ({p.policy.value}): {shape}: {plan_arithmetic(p)}", f"  per-step micro-batches: {shown}"]
+    if p.verified_for != "unverified":
+        what = "one micro-step per optimizer step" if p.verified_for == "one-micro-step" else "gradient accumulation"
+        lines.append(f"  micro-batch {p.micro_batch} verified for {what}")
+    lines += [f"  [yellow]warning:[/] {escape(w)}" for w in p.warnings]
+    return lines
+
+
+def print_summary(result: ProbeResult) -> None:
+    at = result.trial_at_answer
+    out.print(
+        f"[bold]max micro-batch: {result.max_micro_batch}[/]"
+        + (" [yellow](capped: the cap fitted, the true maximum may be larger)[/]" if result.capped else "")
+        + (" with gradient accumulation" if result.loop.accumulates else "")
+    )
+    if result.max_micro_batch_without_accumulation is not None and result.loop.accumulates:
+        out.print(
+            f"  without accumulation (one micro-step per optimizer step): {result.max_micro_batch_without_accumulation}"
+        )
+    out.print(f"  verified for: {result.loop.describe()}", highlight=False, markup=False)
+    if result.workload.parallel.strategy != "none":
+        from autotune.parallel import describe
+
+        out.print(f"  {describe(result.workload.parallel)}", highlight=False, markup=False)
+    out.print(
+        f"  device: {escape(result.device.name)}; budget {format_bytes(result.budget_bytes)} "
+        f"({escape(result.budget_policy)}), headroom {format_bytes(result.headroom_bytes)}, "
+        f"limit {format_bytes(result.limit_bytes)}"
+    )
+    if at is not None:
+        out.print(f"  peak at {at.batch}: {format_bytes(at.peak_reserved_bytes)} reserved")
+    for line in breakdown_lines(result):
+        out.print(line, highlight=False, markup=False)
+    above = result.max_micro_batch + result.granularity
+    failed = next((t for t in result.evidence() if t.batch == above and not t.fits), None)
+    if failed is not None:
+        out.print(f"  {failed.batch} ran out of memory: {escape(failed.oom_message or '')}")
+    out.print(
+        f"  {len(result.trials)} trials in {result.duration_seconds:.1f} s; fingerprint {result.fingerprint[:16]}"
+    )
+    for line in _prediction_lines(result):
+        out.print(line)
+    for line in _confirmation_lines(result):
+        out.print(line, highlight=False)
+    if result.plan is not None:
+        for line in plan_lines(result.plan):
+            out.print(line)
+
+
+def breakdown_lines(result: ProbeResult) -> list[str]:
+    """What filled the memory at the answer's peak, and what would shrink the largest part (plain text)."""
+    parts = result.breakdown
+    if parts is None:
+        return []
+    where = f", in {parts.peak_op}" if parts.peak_op else ""
+    shares = ", ".join(f"{label} {format_bytes(size)}" for label, size in parts.parts())
+    label, size = parts.largest()
+    share = size / parts.total if parts.total else 0.0
+    return [
+        f"  at the peak ({format_bytes(parts.total)} allocated{where}): {shares}",
+        f"  largest: {label} ({share:.0%}): {parts.lever()}",
+    ]
+
+
+def _confirmation_lines(result: ProbeResult) -> list[str]:
+    c = result.confirmation
+    if c is None:
+        return ["  unconfirmed: this result has no fresh-process confirmation"]
+    if c.status == "skipped":
+        return [f"  {escape(c.note or '')}"]
+    lines = []
+    for check in c.checks:
+        sizes = ", ".join(f"{r.batch} {'fits' if r.fits else 'OOM'}" for r in check.runs)
+        lines.append(
+            f"  confirmed in a fresh process: {check.answer} {check.confirmed} "
+            f"({check.loop.micro_steps} micro-step(s) × {check.loop.steps} optimizer steps; runs: {sizes})"
+        )
+    if c.status == "stepped-down":
+        lines.append(f"  [yellow]stepped down:[/] {escape(c.note or '')}")
+    return lines
+
+
+def predicted_words(predicted: int) -> str:
+    """The timelines' prediction; at the model's ceiling it is a lower bound (the search went on)."""
+    from autotune.engine.search import MAX_PREDICTED_BATCH  # no torch
+
+    if predicted >= MAX_PREDICTED_BATCH:
+        return f"at least {predicted:,} (the curve is not followed past that: the search went on from there)"
+    return str(predicted)
+
+
+def _prediction_lines(result: ProbeResult) -> list[str]:
+    lines: list[str] = []
+    p = result.prediction
+    if p is not None:
+        if p.predicted_max_micro_batch is not None:
+            verdict = "exact" if p.exact else f"verified answer {result.max_micro_batch}"
+            lines.append(
+                f"  predicted {predicted_words(p.predicted_max_micro_batch)} from timelines at "
+                f"{', '.join(map(str, p.probe_batches))} "
+                f"({verdict}; the {p.probe_trials} timeline trials are counted above)"
+            )
+        if p.fallback_reason:
+            lines.append(f"  [yellow]plain search:[/] {escape(p.fallback_reason)}")
+    c = result.throughput
+    if c is not None:
+        unit = "per optimizer step" if c.basis == "optimizer-step" else "per sample"
+        lines.append(
+            f"  throughput: micro-batch {c.micro_batch} is fastest ({c.seconds:.4g} s {unit}); "
+            f"the largest timed, {c.largest_micro_batch}, is {c.largest_slowdown:.0%} slower"
+        )
+    return lines
+
+
+def mixed_plan_lines(p: MixedPlan) -> list[str]:
+    """A mixed plan for people, as markup (user text escaped): one line per kind of rank."""
+    from autotune.plans.mixed import mixed_arithmetic
+
+    steps = p.accumulation_steps
+    shape = "one micro-step per optimizer step (no accumulation)" if steps == 1 else f"{steps} accumulation steps"
+    lines = [
+        f"mixed plan ({p.mode.value}, {p.policy.value}): {shape} on every rank of {p.world_size}: {mixed_arithmetic(p)}"
+    ]
+    for group in p.groups:
+        for run in group.runs:
+            ranks = f"rank {run.first_rank}" if run.rank_count == 1 else f"ranks {run.first_rank}-{run.last_rank}"
+            sizes = run.micro_batches
+            shown = ", ".join(map(str, sizes)) if len(sizes) <= 12 else f"{', '.join(map(str, sizes[:10]))}, ..."
+            weights = ", ".join(
+                f"{w:.6g} for {m}" for m, w in dict(zip(run.micro_batches, run.loss_weights, strict=True)).items()
+            )
+            lines.append(
+                f"  {escape(group.name)} {ranks}: micro-batches {shown} ({run.samples} samples per optimizer step "
+                f"each), loss weight {weights}"
+            )
+    lines.append(
+        f"  loss weight = world size {p.world_size} × micro-batch / effective batch {p.effective_batch}: multiply "
+        "each micro-step's mean loss by it"
+    )
+    lines += [f"  [yellow]warning:[/] {escape(w)}" for w in p.warnings]
+    return lines
+
+
+def print_estimate(result: EstimateResult) -> None:
+    out.print(
+        f"[bold]estimated max micro-batch: {result.max_micro_batch}[/]"
+        + (" [yellow](capped)[/]" if result.capped else "")
+        + " (an estimate: fake tensors on the CPU, nothing measured on a GPU)"
+    )
+    out.print(
+        f"  memory {format_bytes(result.memory_bytes)} - headroom {format_bytes(result.headroom_bytes)} "
+        f"- CUDA overhead {format_bytes(result.overhead_bytes)} = limit {format_bytes(result.limit_bytes)}; "
+        f"parameters and buffers {format_bytes(result.state_bytes)}"
+    )
+    if result.predicted_max_micro_batch is not None:
+        out.print(f"  the two timeline trials predicted {predicted_words(result.predicted_max_micro_batch)}")
+    if result.fallback_reason:
+        out.print(f"  [yellow]plain search:[/] {escape(result.fallback_reason)}")
+    if result.curve:
+        table = Table(title="predicted peak memory", title_justify="left")
+        table.add_column("micro-batch", justify="right")
+        table.add_column("peak", justify="right")
+        table.add_column("", justify="left")
+        for point in result.curve:
+            mark = "fits" if point.peak_bytes <= result.limit_bytes else "over the limit"
+            table.add_row(str(point.batch), format_bytes(point.peak_bytes), mark)
+        out.print(table)
+    out.print(f"  {len(result.trials)} fake trials in {result.seconds:.1f} s")
