@@ -39,7 +39,15 @@ class ProbeRequest(BaseModel):
     headroom: float | int | None = None
     precision: Literal["fp32", "bf16", "fp16"] | None = None
     optimizer: Literal["sgd", "adam", "adamw"] | None = None
-    steps: int = Field(default=2, ge=1, le=100)
+    steps: int = Field(default=2, ge=1, le=100, description="Optimizer steps per trial (at least; see max_steps).")
+    max_steps: int = Field(
+        default=10,
+        ge=1,
+        le=100,
+        description="With a caching allocator (CUDA, or the budget device's model of it), a trial runs at least 3 "
+        "optimizer steps and until two consecutive steps changed none of its counters, up to this many; one that "
+        "never settles does not fit.",
+    )
     max_batch: int | None = Field(default=None, ge=1)
     start_batch: int = Field(default=1, ge=1)
     granularity: int = Field(default=1, ge=1)
@@ -57,7 +65,24 @@ class ProbeRequest(BaseModel):
         default=0, ge=0, le=16, description="Further batches the job's loader holds on the device during a step."
     )
     confirm: bool = Field(default=True, description="Run the answer again in a fresh process after the search.")
-    confirm_steps: int = Field(default=2, ge=1, le=100, description="Optimizer steps of each confirmation run.")
+    confirm_steps: int | None = Field(
+        default=None,
+        ge=1,
+        le=100,
+        description="Optimizer steps of each confirmation run, at least (the settle rule applies): default 20 on "
+        "CUDA, `steps` on the budget device.",
+    )
+    allocator: Literal["exact", "cuda"] | None = Field(
+        default=None,
+        description="The budget device's memory: exact (live bytes) or cuda (every allocation through a model of "
+        "CUDA's caching allocator: reserved memory, fragmentation, retries). Default AUTOTUNE_ALLOCATOR, exact.",
+    )
+    allocator_config: str | None = Field(
+        default=None,
+        max_length=200,
+        description="The caching allocator's settings, as PYTORCH_CUDA_ALLOC_CONF (expandable_segments:True, "
+        "max_split_size_mb:N): the budget device's model takes them; on CUDA the probe's processes run with them.",
+    )
     parallel: Literal["none", "ddp", "fsdp"] = Field(
         default="none",
         description="ddp: the model in DistributedDataParallel; fsdp: FSDP2 over world_size ranks, rank 0 simulated.",

@@ -121,8 +121,31 @@ LEVERS = {
 }
 
 
+class AllocatorState(BaseModel):
+    """The caching allocator's counters after an optimizer step: what "settled" compares.
+
+    CUDA's come from `torch.cuda.memory_stats()`; the budget device's from its model of the CUDA
+    caching allocator (`AUTOTUNE_ALLOCATOR=cuda`). A step that changed none of them left the
+    allocator as it found it: the next step will find the same blocks."""
+
+    model_config = ConfigDict(frozen=True)
+
+    reserved_bytes: int = Field(ge=0, description="Bytes held in segments (reserved_bytes.all.current).")
+    segments: int = Field(ge=0, description="Segments held (segment.all.current).")
+    retries: int = Field(
+        ge=0,
+        description="num_alloc_retries so far: a segment allocation failed, the allocator freed its cached "
+        "segments and retried (memory so close to the limit that every step pays for it).",
+    )
+    device_allocations: int = Field(ge=0, description="num_device_alloc so far: segments allocated (cudaMalloc).")
+
+
+TrialFailure = Literal["oom", "thrashing", "unsettled"]
+
+
 class TrialRecord(BaseModel):
-    """One trial: `steps` optimizer steps of `micro_steps` micro-batches each, at one micro-batch size."""
+    """One trial: optimizer steps of `micro_steps` micro-batches each, at one micro-batch size, run
+    until the caching allocator settled (where the device has one)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -144,6 +167,20 @@ class TrialRecord(BaseModel):
         description="Wall time per micro-step of the last (steady-state) optimizer step, for fitting trials.",
     )
     oom_message: str | None = Field(default=None, description="First line of the OOM error, for failed trials.")
+    failure: TrialFailure | None = Field(
+        default=None,
+        description="Why a trial did not fit: oom (an allocation failed), thrashing (the allocator retried "
+        "allocations in consecutive steps) or unsettled (its counters still changed after the last step "
+        "allowed). None for a fitting trial (and for failed trials stored before it was recorded).",
+    )
+    steps: int | None = Field(
+        default=None, description="Optimizer steps the trial ran (None in results from before it was recorded)."
+    )
+    allocator: AllocatorState | None = Field(
+        default=None,
+        description="The caching allocator's counters after the trial's last step; None on a device without "
+        "one (the budget device's exact counting).",
+    )
     breakdown: MemoryBreakdown | None = Field(
         default=None,
         description="What filled the memory at the peak (for an OOM, at the failing allocation); sums to "
@@ -345,6 +382,10 @@ class ProbeResult(BaseModel):
     trials: list[TrialRecord]
     plan: Plan | None = None
     allocator_config: str | None = None
+    notes: list[str] = Field(
+        default_factory=list,
+        description="What the probe did beyond the search, in words: an answer searched again, and why.",
+    )
     versions: Versions
     created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
     duration_seconds: float = 0.0

@@ -17,10 +17,13 @@
 | AUTOTUNE_MAX_BODY            | 1MiB             | the service refuses request bodies larger than this  |
 | AUTOTUNE_MAX_CPU_MEMORY      | 8GiB             | the largest budget device a service request may ask  |
 | AUTOTUNE_DEBUG               | false            | the CLI prints a failure's full traceback (--debug)  |
+| AUTOTUNE_ALLOCATOR           | exact            | the budget device's memory: exact, or cuda (a model  |
+|                              |                  | of CUDA's caching allocator); read per device        |
 """
 
 from __future__ import annotations
 
+import os
 import socket
 from functools import lru_cache
 from pathlib import Path
@@ -55,6 +58,10 @@ class Settings(BaseSettings):
     # The command line prints the full traceback of a failure (a workload's own, from the probe's
     # process too) before its one-line message, as --debug does.
     debug: bool = False
+    # How the budget device counts: exact live bytes, or every allocation through the model of
+    # CUDA's caching allocator (reserved memory, fragmentation, retries). Read when a BudgetDevice
+    # is created (`allocator_mode`), so a test or a job can switch it without a new process.
+    allocator: Literal["exact", "cuda"] = "exact"
 
     @field_validator("cpu_memory", "max_body", "max_cpu_memory", mode="before")
     @classmethod
@@ -84,3 +91,11 @@ def get_settings() -> Settings:
         return Settings()
     except ValueError as exc:
         raise ConfigError(f"bad AUTOTUNE_* environment variable: {exc}") from None
+
+
+def allocator_mode() -> Literal["exact", "cuda"]:
+    """AUTOTUNE_ALLOCATOR as it is now (not cached: a BudgetDevice reads it when it is created)."""
+    value = os.environ.get("AUTOTUNE_ALLOCATOR", "exact").strip().lower() or "exact"
+    if value not in ("exact", "cuda"):
+        raise ConfigError(f"environment variable AUTOTUNE_ALLOCATOR={value!r} is not exact or cuda: fix it or unset it")
+    return "cuda" if value == "cuda" else "exact"

@@ -79,6 +79,19 @@ def headroom_flag(flag: str, text: str | None) -> float | int | None:
         raise ConfigError(f"{flag}: {exc}") from None
 
 
+def allocator_config_flag(text: str | None) -> str | None:
+    """--allocator-config, checked by the rules of PYTORCH_CUDA_ALLOC_CONF's keys that autotune models."""
+    if text is None:
+        return None
+    from autotune.devices.allocator import AllocatorConfig  # pure Python, no torch
+
+    try:
+        AllocatorConfig.parse(text)
+    except ValueError as exc:
+        raise ConfigError(f"--allocator-config {text!r}: {exc}") from None
+    return text
+
+
 def check_options(pairs: list[str] | None) -> list[str]:
     """The -o pairs, checked as autotune.workloads.workload.parse_options will parse them (it imports torch)."""
     for pair in pairs or []:
@@ -135,7 +148,7 @@ def _check_ignored_flags(fields: dict[str, Any], timeout: float | None, in_proce
             "--timeout bounds the isolated probe process, and --in-process runs the search in this process, "
             "which nothing kills at a timeout: drop --in-process to have the timeout, or drop --timeout"
         )
-    if not fields["confirm"] and fields["confirm_steps"] != 2:
+    if not fields["confirm"] and fields["confirm_steps"] is not None:
         raise ConfigError(
             f"--confirm-steps {fields['confirm_steps']} sizes the fresh-process confirmation, and --no-confirm "
             "skips it: drop one of them"
@@ -166,6 +179,16 @@ def _check_ignored_flags(fields: dict[str, Any], timeout: float | None, in_proce
             f"{flags[0]} applies to a CUDA device, and {where} the cpu budget device, whose memory no other "
             f"process holds: drop {flags[0]}"
             + (" (size the budget device with --memory)" if "budget" in flags[0] else "")
+        )
+    if fields["allocator"] is not None and not _on_budget_device(fields["device"]):
+        raise ConfigError(
+            f"--allocator {fields['allocator']} chooses how the cpu budget device counts memory, and this probe runs "
+            "on CUDA, whose own caching allocator is measured: drop --allocator (--allocator-config sets its settings)"
+        )
+    if fields["allocator"] == "exact" and fields["allocator_config"] is not None:
+        raise ConfigError(
+            "--allocator-config sets the caching allocator's settings, and --allocator exact counts live bytes "
+            "without one: use --allocator cuda to model them, or drop --allocator-config"
         )
 
 
@@ -353,6 +376,8 @@ def _request_fields(flags: dict[str, Any]) -> dict[str, Any]:
         search=choice(flags["search"], ("plain", "predict"), "--search"),
         objective=choice(flags["objective"], ("memory", "throughput"), "--objective"),
         parallel=choice(flags["parallel"], ("none", "ddp", "fsdp"), "--parallel"),
+        allocator=choice(flags["allocator"], ("exact", "cuda"), "--allocator"),
+        allocator_config=allocator_config_flag(flags["allocator_config"]),
         **{
             name: flags[name]
             for name in (
@@ -365,6 +390,7 @@ def _request_fields(flags: dict[str, Any]) -> dict[str, Any]:
                 "prefetch",
                 "confirm",
                 "confirm_steps",
+                "max_steps",
                 "reshard_after_forward",
             )
         },

@@ -148,7 +148,42 @@ ConfirmOption = Annotated[
     bool, typer.Option("--confirm/--no-confirm", help="Run the answer again in a fresh process after the search.")
 ]
 ConfirmStepsOption = Annotated[
-    int, typer.Option(metavar="N", min=1, max=100, help="Optimizer steps of each fresh-process confirmation run.")
+    int | None,
+    typer.Option(
+        metavar="N",
+        min=1,
+        max=100,
+        help="Optimizer steps of each fresh-process confirmation run, at least.  "
+        + default_note("20 on CUDA, --steps on the budget device"),
+    ),
+]
+MaxStepsOption = Annotated[
+    int,
+    typer.Option(
+        metavar="N",
+        min=1,
+        max=100,
+        help="With a caching allocator (CUDA, or --allocator cuda), a trial runs at least 3 optimizer steps and "
+        "until two in a row changed none of its counters, up to N; one still changing (or retrying "
+        "allocations) does not fit.",
+    ),
+]
+AllocatorOption = Annotated[
+    str | None,
+    typer.Option(
+        metavar="exact|cuda",
+        help="The budget device's memory: exact (live bytes) or cuda (through a model of CUDA's caching "
+        "allocator: reserved memory, fragmentation, retries).  " + default_note("AUTOTUNE_ALLOCATOR, exact"),
+    ),
+]
+AllocatorConfigOption = Annotated[
+    str | None,
+    typer.Option(
+        metavar="CONF",
+        help="The caching allocator's settings, as PYTORCH_CUDA_ALLOC_CONF (e.g. expandable_segments:True): "
+        "on CUDA the probe's processes run with them; --allocator cuda models them.  "
+        + default_note("PYTORCH_CUDA_ALLOC_CONF"),
+    ),
 ]
 ParallelOption = Annotated[
     str,

@@ -13,6 +13,8 @@ from autotune.cli.app import app, emit_json, err
 from autotune.cli.checks import probe_request
 from autotune.cli.options import (
     DEFAULT_POLICY,
+    AllocatorConfigOption,
+    AllocatorOption,
     BudgetOption,
     ConfirmOption,
     ConfirmStepsOption,
@@ -23,6 +25,7 @@ from autotune.cli.options import (
     InProcessOption,
     JsonOption,
     MaxBatchOption,
+    MaxStepsOption,
     MemoryOption,
     MinFreeMemoryOption,
     ObjectiveOption,
@@ -77,7 +80,10 @@ def probe(
     plot: PlotOption = None,
     prefetch: PrefetchOption = 0,
     confirm: ConfirmOption = True,
-    confirm_steps: ConfirmStepsOption = 2,
+    confirm_steps: ConfirmStepsOption = None,
+    max_steps: MaxStepsOption = 10,
+    allocator: AllocatorOption = None,
+    allocator_config: AllocatorConfigOption = None,
     parallel: ParallelOption = "none",
     reshard_after_forward: ReshardOption = True,
 ) -> None:

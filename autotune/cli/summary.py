@@ -111,6 +111,8 @@ def print_summary(result: ProbeResult) -> None:
     out.print(
         f"  {len(result.trials)} trials in {result.duration_seconds:.1f} s; fingerprint {result.fingerprint[:16]}"
     )
+    for note in result.notes:
+        out.print(f"  [yellow]searched again:[/] {escape(note)}")
     for line in _prediction_lines(result):
         out.print(line)
     for line in _confirmation_lines(result):

@@ -36,7 +36,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-from autotune.results import MemoryBreakdown, MemoryRole
+from autotune.results import AllocatorState, MemoryBreakdown, MemoryRole
 from autotune.units import format_bytes
 
 ROUNDING = 512  # the CUDA caching allocator's block size
@@ -217,6 +217,10 @@ class BudgetDevice:
 
     def synchronize(self) -> None:
         """CPU ops are synchronous."""
+
+    def allocator_state(self) -> AllocatorState | None:
+        """None: exact counting has no cache whose state could change from step to step."""
+        return None
 
     @contextmanager
     def record_timeline(self) -> Iterator[list[tuple[str, int | str, int]]]:

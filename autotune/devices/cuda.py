@@ -15,7 +15,7 @@ import torch
 
 from autotune.devices.budget import local_storages
 from autotune.errors import DeviceError
-from autotune.results import MemoryBreakdown, MemoryRole
+from autotune.results import AllocatorState, MemoryBreakdown, MemoryRole
 
 BLOCK = 512  # the caching allocator rounds every block up to a multiple of this
 
@@ -103,6 +103,15 @@ class CudaDevice:
         if clear_workspaces is not None:
             clear_workspaces()
         torch.cuda.empty_cache()
+
+    def allocator_state(self) -> AllocatorState:
+        stats = torch.cuda.memory_stats(self.index)
+        return AllocatorState(
+            reserved_bytes=int(stats.get("reserved_bytes.all.current", 0)),
+            segments=int(stats.get("segment.all.current", 0)),
+            retries=int(stats.get("num_alloc_retries", 0)),
+            device_allocations=int(stats.get("num_device_alloc", 0)),
+        )
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.index)

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from autotune.results import MemoryBreakdown, MemoryRole
+from autotune.results import AllocatorState, MemoryBreakdown, MemoryRole
 
 
 class ProbeDevice(Protocol):
@@ -34,3 +34,6 @@ class ProbeDevice(Protocol):
     def empty_cache(self) -> None: ...
     def synchronize(self) -> None: ...
     def active(self) -> AbstractContextManager[None]: ...
+    def allocator_state(self) -> AllocatorState | None:
+        """The caching allocator's counters now; None for a device without one (no settling to wait for)."""
+        ...

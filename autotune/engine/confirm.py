@@ -44,6 +44,22 @@ CONFIRM_MICRO_STEPS = 3
 # Checks: each answer and the plan once, and again after a step-down lowers one (at most two
 # lowerings per loop kind can change what the plan runs); more is a bug.
 MAX_CHECKS = 8
+# On CUDA each fresh-process run trains this many optimizer steps at least: the caching allocator's
+# blocks kept moving until step 3 or 4 of independent H100 runs whose first two steps fitted.
+CUDA_CONFIRM_STEPS = 20
+
+
+def confirm_steps(request: ProbeRequest, device_kind: str) -> int:
+    """The optimizer steps of each confirmation run: the request's, else 20 on CUDA and the
+    trials' own on the budget device (its exact counting is the same from step 2 on)."""
+    if request.confirm_steps is not None:
+        return request.confirm_steps
+    return CUDA_CONFIRM_STEPS if device_kind == "cuda" else request.steps
+
+
+def _resolved(request: ProbeRequest, result: ProbeResult) -> ProbeRequest:
+    return request.model_copy(update={"confirm_steps": confirm_steps(request, result.device.kind)})
+
 
 RunCallback = Callable[[TrialRecord], None]
 FreshRun = Callable[[int, LoopShape], TrialRecord]
@@ -63,7 +79,7 @@ class FreshRunRequest(BaseModel):
 
 # Deciding what to confirm (pure) ---------------------------------------------------------------
 def _loop(micro_steps: int, request: ProbeRequest) -> LoopShape:
-    return LoopShape(micro_steps=micro_steps, steps=request.confirm_steps, prefetch=request.prefetch)
+    return LoopShape(micro_steps=micro_steps, steps=confirm_steps(request, "cpu-budget"), prefetch=request.prefetch)
 
 
 def checks_for(result: ProbeResult, request: ProbeRequest) -> list[tuple[str, int, LoopShape]]:
@@ -106,6 +122,7 @@ def confirm_answers(
 ) -> ProbeResult:
     """Run the result's answer (or plan) again with `fresh_run`, stepping down where it fails."""
     started = time.perf_counter()
+    request = _resolved(request, result)
     checks: list[ConfirmationCheck] = []
     passed_upto: dict[bool, int] = {}  # accumulates -> largest size that passed
     stepped = False
@@ -162,7 +179,7 @@ def confirm_answers(
     confirmation = Confirmation(
         status="stepped-down" if stepped else "passed",
         passed=not stepped,
-        steps=request.confirm_steps,
+        steps=confirm_steps(request, result.device.kind),
         checks=checks,
         seconds=time.perf_counter() - started,
         note=note,
@@ -195,7 +212,7 @@ def skipped(result: ProbeResult, request: ProbeRequest) -> ProbeResult:
     confirmation = Confirmation(
         status="skipped",
         passed=False,
-        steps=request.confirm_steps,
+        steps=confirm_steps(request, result.device.kind),
         note="unconfirmed (--no-confirm): the answer was not run again in a fresh process",
     )
     return result.model_copy(update={"confirmation": confirmation})

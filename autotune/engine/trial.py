@@ -40,10 +40,16 @@ from autotune.devices.device import ProbeDevice
 from autotune.engine import oom
 from autotune.errors import NotAnOOMError, NothingFitsError
 from autotune.progress import ProgressCallback, TrialProgress
-from autotune.results import LoopShape, TrialRecord
+from autotune.results import AllocatorState, LoopShape, TrialFailure, TrialRecord
 from autotune.units import format_bytes
 from autotune.workloads import usercode
 from autotune.workloads.workload import Precision, Workload
+
+# A trial on a device with a caching allocator runs at least this many optimizer steps (the
+# optimizer's state exists from step 1; two more steps unchanged are the evidence of a steady state)
+# and at most --max-steps.
+SETTLE_MIN_STEPS = 3
+DEFAULT_MAX_STEPS = 10
 
 _AUTOCAST = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 
@@ -67,15 +73,21 @@ class TrialRunner:
         prefetch: int = 0,
         train: Callable[[TrialRunner], TrainLoop] | None = None,
         on_progress: ProgressCallback | None = None,
+        max_steps: int = DEFAULT_MAX_STEPS,
     ) -> None:
         """`steps` optimizer steps of `micro_steps` accumulated micro-batches each, with `prefetch`
-        further batches held on the device (the default loop; `run` takes others).
+        further batches held on the device (the default loop; `run` takes others). On a device with
+        a caching allocator, a trial runs at least SETTLE_MIN_STEPS and up to `max_steps` steps,
+        until the allocator settles (`settled`).
 
         `model`: an already built model to use as is (the estimator's fake-tensor model, which
         `.to()` cannot move); by default the workload builds one on the device.
         `train`: makes the job's own loop over this runner's model, run instead of the workload's step.
         `on_progress`: told as each micro-step begins (`micro_step`), for a person to watch."""
         self.loop = LoopShape(micro_steps=micro_steps, steps=steps, prefetch=prefetch)
+        self.max_steps = max_steps
+        self.states: list[AllocatorState] = []  # the allocator after each step of the running trial
+        self.steps_run = 0
         self.workload = workload
         self.device = device
         self._on_step = on_step
@@ -112,17 +124,20 @@ class TrialRunner:
         """One trial of `loop` at micro-batch `batch`, undone afterwards."""
         self.device.reset_peak()
         started = self._trial_started = time.perf_counter()
+        self.states, self.steps_run = [], 0
         step_seconds: float | None = None
         failure: str | None = None
+        kind: TrialFailure | None = None
         not_oom: str | None = None
         details: str | None = None
         try:
             with self.device.active(), self._marking_roles():
                 step_seconds = self._train_loop(batch, loop)
+            kind, failure = self.unsettled(loop)
         except Exception as exc:  # noqa: BLE001 - classified right here; non-OOMs stop the probe
             reason = oom.classify(exc)
             if reason is not None and reason.kind is oom.OOMKind.OOM:
-                failure = reason.message
+                kind, failure = "oom", reason.message
             elif reason is not None:
                 not_oom = (
                     f"an ambiguous error, not counted as out-of-memory: {type(exc).__name__}: {exc} "
@@ -151,6 +166,9 @@ class TrialRunner:
             seconds=seconds,
             step_seconds=step_seconds,
             oom_message=failure,
+            failure=kind,
+            steps=self.steps_run,
+            allocator=self.states[-1] if self.states else self.device.allocator_state(),
             micro_steps=loop.micro_steps,
             prefetch=loop.prefetch,
             breakdown=breakdown,
@@ -201,7 +219,7 @@ class TrialRunner:
         scaler = torch.amp.GradScaler(device_type, enabled=workload.precision is Precision.FP16)
         # held[0] is the micro-batch being trained on; the rest are the loader's prefetched ones.
         held: deque[object] = deque(workload.make_batch(batch, device.torch_device) for _ in range(loop.prefetch))
-        for step in range(loop.steps):
+        for step in range(self.step_budget(loop)):
             started = time.perf_counter()
             for micro in range(loop.micro_steps):
                 self.micro_step(batch, loop, step, micro)
@@ -224,12 +242,69 @@ class TrialRunner:
             device.synchronize()
             step_seconds = (time.perf_counter() - started) / loop.micro_steps
             self.stepped(batch, step)
+            if self.done(loop):
+                break
         return step_seconds
 
     def stepped(self, batch: int, step: int) -> None:
-        """Tell the caller's `on_step` that an optimizer step of a trial at `batch` ran (loops call it)."""
+        """Record the allocator's state after an optimizer step of a trial at `batch`, and tell the
+        caller's `on_step` (every loop calls it after each optimizer step)."""
+        self.steps_run += 1
+        state = self.device.allocator_state()
+        if state is not None:
+            self.states.append(state)
         if self._on_step is not None:
             self._on_step(batch, step)
+
+    # Settling --------------------------------------------------------------------------------
+    # On a GPU the limit bites on the caching allocator's reserved memory, whose blocks keep moving
+    # for a few steps after the optimizer's state exists: a size that fitted two steps ran out of
+    # memory at step 3 or 4 of a real run (H100, ../shared/h100). So a trial runs until two
+    # consecutive steps changed none of the allocator's counters (reserved bytes, segments, retries,
+    # segment allocations), at least SETTLE_MIN_STEPS, at most `max_steps`. A device without an
+    # allocator (the budget device's exact counting, identical from step 2 on) runs `loop.steps`.
+    def step_budget(self, loop: LoopShape) -> int:
+        """The most optimizer steps a trial of `loop` may run."""
+        if self.device.allocator_state() is None:
+            return loop.steps
+        return max(loop.steps, SETTLE_MIN_STEPS, self.max_steps)
+
+    def settled(self, loop: LoopShape) -> bool:
+        """Whether the running trial has reached the allocator's steady state."""
+        states = self.states
+        if not states:
+            return self.steps_run >= loop.steps
+        if self.steps_run < max(loop.steps, SETTLE_MIN_STEPS):
+            return False
+        return states[-1] == states[-2] == states[-3]
+
+    def thrashing(self) -> bool:
+        """Whether the last two steps each retried an allocation after freeing the cache: memory so
+        close to the limit that every step pays for it (Composer lowers the batch on this too)."""
+        states = self.states
+        return len(states) >= 3 and states[-1].retries > states[-2].retries > states[-3].retries
+
+    def done(self, loop: LoopShape) -> bool:
+        """Whether a loop should stop after the step just run: settled, or thrashing (no use waiting)."""
+        return self.settled(loop) or (self.steps_run >= SETTLE_MIN_STEPS and self.thrashing())
+
+    def unsettled(self, loop: LoopShape) -> tuple[TrialFailure | None, str | None]:
+        """Why a trial that raised nothing still does not fit: thrashing, or an allocator still moving."""
+        if not self.states or self.settled(loop):
+            return None, None
+        first, last = self.states[0], self.states[-1]
+        if self.thrashing():
+            return "thrashing", (
+                f"allocation retries in consecutive optimizer steps (thrashing: num_alloc_retries {first.retries} "
+                f"after step 1, {last.retries} after step {self.steps_run}): each step freed the allocator's cache "
+                "to fit, so this size runs at the edge of the limit"
+            )
+        return "unsettled", (
+            f"the caching allocator did not settle in {self.steps_run} optimizer steps (reserved "
+            f"{format_bytes(first.reserved_bytes)} after step 1, {format_bytes(last.reserved_bytes)} after step "
+            f"{self.steps_run}; segments {first.segments} -> {last.segments}): counted as not fitting; raise "
+            "--max-steps to wait longer"
+        )
 
     def micro_step(self, batch: int, loop: LoopShape, step: int, micro: int) -> None:
         """Tell the caller's `on_progress` that micro-step `micro` of optimizer step `step` (both
@@ -239,7 +314,7 @@ class TrialRunner:
                 TrialProgress(
                     batch=batch,
                     step=step + 1,
-                    steps=loop.steps,
+                    steps=self.step_budget(loop),
                     micro_step=micro + 1,
                     micro_steps=loop.micro_steps,
                     seconds=time.perf_counter() - self._trial_started,

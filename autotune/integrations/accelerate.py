@@ -53,7 +53,7 @@ def accelerate_loop(accelerator: Accelerator, workload: Workload, prefetch: int)
             held: list[Any] = [workload.make_batch(batch, device) for _ in range(prefetch)]
             current: Any = None
             seconds = 0.0
-            for step in range(loop.steps):
+            for step in range(runner.step_budget(loop)):
                 started = time.perf_counter()
                 for micro in range(loop.micro_steps):
                     runner.micro_step(batch, loop, step, micro)
@@ -71,6 +71,8 @@ def accelerate_loop(accelerator: Accelerator, workload: Workload, prefetch: int)
                         optimizer.zero_grad()
                 seconds = (time.perf_counter() - started) / loop.micro_steps
                 runner.stepped(batch, step)
+                if runner.done(loop):
+                    break
             return seconds
 
         return train

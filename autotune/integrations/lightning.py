@@ -72,7 +72,7 @@ def lightning_loop(
             scaler = None if getattr(precision, "scaler", None) is None else torch.amp.GradScaler(device.type)
             data: Any = None
             seconds = 0.0
-            for step in range(loop.steps):
+            for step in range(runner.step_budget(loop)):
                 started = time.perf_counter()
                 for micro in range(loop.micro_steps):
                     runner.micro_step(batch, loop, step, micro)
@@ -95,6 +95,8 @@ def lightning_loop(
                     del kept
                 seconds = (time.perf_counter() - started) / loop.micro_steps
                 runner.stepped(batch, step)
+                if runner.done(loop):
+                    break
             optimizer.zero_grad()
             return seconds
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import Dataset
-from transformers import DefaultFlowCallback, Trainer
+from transformers import DefaultFlowCallback, Trainer, TrainerCallback
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy
 
 from autotune.engine.probe import device_spec, probe_workload
@@ -76,6 +76,20 @@ def _precision(trainer: Trainer) -> str:
     return "bf16" if trainer.args.bf16 else "fp16" if trainer.args.fp16 else "fp32"
 
 
+class _Settling(TrainerCallback):
+    """Each optimizer step of the Trainer's loop reported to the runner, and the loop stopped once
+    the caching allocator settled (the runner's rule, as in autotune's own loop)."""
+
+    def __init__(self, runner: TrialRunner, batch: int, loop: LoopShape) -> None:
+        self.runner, self.batch, self.loop = runner, batch, loop
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self.runner.stepped(self.batch, state.global_step - 1)
+        if self.runner.done(self.loop):
+            control.should_training_stop = True
+        return control
+
+
 def trainer_loop(trainer: Trainer, dataset: Any, indices: tuple[int, ...]) -> Callable[[TrialRunner], TrainLoop]:
     """The Trainer's own `train()` as a trial loop over the worst-case examples."""
     given = None if trainer.optimizer is None else OptimizerCopy(trainer.optimizer, trainer.model)  # type: ignore[arg-type]
@@ -88,7 +102,8 @@ def trainer_loop(trainer: Trainer, dataset: Any, indices: tuple[int, ...]) -> Ca
             args = copy.copy(trainer.args)
             args.per_device_train_batch_size = batch
             args.gradient_accumulation_steps = loop.micro_steps
-            args.max_steps = loop.steps
+            budget = runner.step_budget(loop)
+            args.max_steps = budget
             args.save_strategy, args.eval_strategy = SaveStrategy.NO, IntervalStrategy.NO
             args.logging_strategy, args.eval_on_start = IntervalStrategy.NO, False
             args.load_best_model_at_end, args.push_to_hub, args.auto_find_batch_size = False, False, False
@@ -97,14 +112,15 @@ def trainer_loop(trainer: Trainer, dataset: Any, indices: tuple[int, ...]) -> Ca
                 trainer.args = args
                 trainer._train_batch_size = args.train_batch_size
                 per_step = args.train_batch_size * loop.micro_steps * args.world_size
-                trainer.train_dataset = _Repeated(dataset, indices, per_step * loop.steps)
-                handler.callbacks = [DefaultFlowCallback()]
+                trainer.train_dataset = _Repeated(dataset, indices, per_step * budget)
+                handler.callbacks = [DefaultFlowCallback(), _Settling(runner, batch, loop)]
                 # A given optimizer and scheduler must not be stepped: each trial gets a fresh copy
                 # of the optimizer, and the Trainer's own scheduler (no memory to speak of).
                 trainer.optimizer = None if given is None else given(runner.model.parameters())
                 trainer.lr_scheduler = None
                 output = trainer.train()
-                seconds = float(output.metrics.get("train_runtime", 0.0)) / (loop.steps * loop.micro_steps)
+                ran = max(runner.steps_run, 1)
+                seconds = float(output.metrics.get("train_runtime", 0.0)) / (ran * loop.micro_steps)
             finally:
                 # The accelerator keeps the trial's prepared optimizer (and its state) until the
                 # next train(); the job's own train() must start from nothing of the probe's.

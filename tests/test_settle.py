@@ -1,0 +1,124 @@
+"""The whole run on a GPU, modelled: trials that run to the caching allocator's steady state,
+thrashing and an allocator that never settles counted as not fitting, and answers that stay
+consistent (accumulating never gets more than one micro-step)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from autotune.devices.budget import BudgetDevice
+from autotune.engine.probe import run_probe
+from autotune.engine.trial import SETTLE_MIN_STEPS, TrainLoop, TrialRunner
+from autotune.request import ProbeRequest
+from autotune.results import AllocatorState, LoopShape
+from autotune.workloads.workload import Workload
+
+MIB = 2**20
+
+
+def _mlp() -> Workload:
+    return Workload(
+        name="mlp",
+        build_model=lambda: nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)),
+        make_batch=lambda b, device: torch.randn(b, 64, device=device),
+        loss=lambda model, x: model(x).square().mean(),
+        optimizer="adamw",
+    )
+
+
+def test_an_accumulating_answer_above_the_one_micro_step_answer_is_searched_again() -> None:
+    """A loop whose accumulating trials need less memory than its single ones (as the allocator's
+    placement luck made them on an H100) answers no more with accumulation than without."""
+
+    def lucky(runner: TrialRunner) -> TrainLoop:
+        default = runner._train  # the runner's own loop, at a smaller batch when it accumulates
+
+        def train(batch: int, loop: LoopShape) -> float:
+            return default(max(1, batch // 2) if loop.accumulates else batch, loop)
+
+        return train
+
+    request = ProbeRequest(target="live:mlp", device="cpu", memory=4 * MIB, headroom=0, search="plain")
+    result = run_probe(request, workload=_mlp(), train=lucky)
+    single = result.max_micro_batch_without_accumulation
+    assert single is not None
+    assert result.max_micro_batch == single, (result.max_micro_batch, single)
+    [note] = result.notes
+    assert f"above the one-micro-step answer {single}" in note and f"it answers {single}" in note
+    # The answer was tried again in the accumulating loop, and a size above it failed (in either loop).
+    assert any(t.batch == single and t.micro_steps > 1 and t.fits for t in result.trials)
+    assert any(t.batch == single + 1 and not t.fits for t in result.evidence())
+
+
+def test_a_consistent_probe_searches_nothing_again() -> None:
+    request = ProbeRequest(target="live:mlp", device="cpu", memory=4 * MIB, headroom=0)
+    result = run_probe(request, workload=_mlp())
+    assert result.notes == []
+    assert result.max_micro_batch_without_accumulation is not None
+    assert result.max_micro_batch <= result.max_micro_batch_without_accumulation
+
+
+class _Scripted(BudgetDevice):
+    """A budget device whose allocator counters follow a script, one state per optimizer step."""
+
+    def __init__(self, script: Callable[[int], AllocatorState]) -> None:
+        super().__init__(64 * MIB)
+        self.script, self.step = script, 0
+
+    def allocator_state(self) -> AllocatorState:
+        return self.script(self.step)
+
+
+def _runner(device: _Scripted, max_steps: int = 10) -> TrialRunner:
+    runner = TrialRunner(_mlp(), device, steps=2, max_steps=max_steps)
+    counting = runner.stepped
+
+    def stepped(batch: int, step: int) -> None:
+        device.step = step + 1
+        counting(batch, step)
+
+    runner.stepped = stepped  # type: ignore[method-assign]
+    return runner
+
+
+def _state(reserved: int, retries: int = 0, segments: int = 3) -> AllocatorState:
+    return AllocatorState(reserved_bytes=reserved, segments=segments, retries=retries, device_allocations=segments)
+
+
+def test_a_trial_runs_until_two_steps_in_a_row_changed_nothing() -> None:
+    # Reserved grows until step 4, then stays: steps 5 and 6 changed nothing.
+    device = _Scripted(lambda step: _state(MIB * min(step, 4)))
+    record = _runner(device)(8)
+    assert record.fits and record.failure is None
+    assert record.steps == 6 and record.allocator == _state(4 * MIB)
+
+
+def test_a_settled_allocator_needs_at_least_three_steps() -> None:
+    device = _Scripted(lambda step: _state(MIB))
+    record = _runner(device)(8)
+    assert record.fits and record.steps == SETTLE_MIN_STEPS == 3
+
+
+def test_an_allocator_that_never_settles_does_not_fit() -> None:
+    device = _Scripted(lambda step: _state(MIB * step))
+    record = _runner(device, max_steps=5)(8)
+    assert not record.fits and record.failure == "unsettled" and record.steps == 5
+    assert record.oom_message is not None and "did not settle in 5 optimizer steps" in record.oom_message
+    assert "--max-steps" in record.oom_message
+
+
+def test_retries_in_consecutive_steps_are_thrashing() -> None:
+    device = _Scripted(lambda step: _state(MIB, retries=step))
+    record = _runner(device)(8)
+    assert not record.fits and record.failure == "thrashing"
+    assert record.steps == SETTLE_MIN_STEPS  # no use waiting for more once it thrashes
+    assert record.oom_message is not None and "thrashing" in record.oom_message
+
+
+def test_the_exact_budget_device_runs_its_steps_and_records_them() -> None:
+    runner = TrialRunner(_mlp(), BudgetDevice(64 * MIB), steps=2)
+    record = runner(8)
+    assert record.fits and record.steps == 2 and record.allocator is None
