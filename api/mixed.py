@@ -158,12 +158,20 @@ def _groups(found: list[_Found]) -> list[Group]:
     groups = []
     for item in found:
         result = item.cached.stored.result
+        single = result.max_micro_batch_without_accumulation
+        if result.max_micro_batch is None and single is not None:
+            # Nothing fits with accumulation there: a group that may only run one micro-step.
+            groups.append(
+                Group(name=item.name, ranks=item.query.ranks, max_micro_batch=single, accumulation_verified=False)
+            )
+            continue
+        assert result.max_micro_batch is not None
         groups.append(
             Group(
                 name=item.name,
                 ranks=item.query.ranks,
                 max_micro_batch=result.max_micro_batch,
-                without_accumulation=result.max_micro_batch_without_accumulation,
+                without_accumulation=single,
                 accumulation_verified=result.loop.accumulates,
             )
         )

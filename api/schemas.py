@@ -291,7 +291,7 @@ class RunFailureRecorded(BaseModel):
     """What the service now answers for that query."""
 
     request_key: str
-    max_micro_batch: int
+    max_micro_batch: int | None = Field(description="With accumulation; null when no size fits with it.")
     max_micro_batch_without_accumulation: int | None
     detail: str
 
@@ -352,7 +352,9 @@ class PlanView(BaseModel):
     workload: str
     device: str
     fingerprint: str = Field(description="The stored result's fingerprint.")
-    max_micro_batch: int
+    max_micro_batch: int | None = Field(
+        description="The answer with accumulation; null when no size fits with it (plans then run one micro-step)."
+    )
     capped: bool = Field(description="The probe's cap fitted: a larger micro-batch may fit too.")
     parallel: ParallelSpec = Field(description="What a rank was probed in: the answer is per rank of such a job.")
     plan: Plan
@@ -367,7 +369,7 @@ class MixedGroupView(BaseModel):
     ranks: int
     request_key: str
     fingerprint: str = Field(description="The stored result's fingerprint.")
-    max_micro_batch: int
+    max_micro_batch: int | None = Field(description="With accumulation; null when no size fits with it.")
     max_micro_batch_without_accumulation: int | None
     capped: bool = Field(description="The probe's cap fitted: a larger micro-batch may fit too.")
 

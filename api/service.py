@@ -327,7 +327,10 @@ def make_plan(effective_batch: int, result: ProbeResult, world_size: int, policy
     max_micro_batch = result.max_micro_batch
     per_rank = effective_batch // max(world_size, 1)
     single = result.max_micro_batch_without_accumulation
-    fewest = 1 if single is not None and per_rank <= single else -(-per_rank // max_micro_batch)
+    if (single is not None and per_rank <= single) or max_micro_batch is None:
+        fewest = 1
+    else:
+        fewest = -(-per_rank // max_micro_batch)
     if fewest > MAX_ACCUMULATION_STEPS:
         raise PlanError(
             f"effective batch {effective_batch} needs {fewest} accumulation steps of at most "

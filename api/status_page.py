@@ -102,7 +102,7 @@ class ResultRow:
     device: str
     limit: str
     budget: str
-    max_micro_batch: int
+    max_micro_batch: int | None
     capped: bool
     without_accumulation: int | None
     precision: str

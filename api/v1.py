@@ -455,6 +455,8 @@ async def report_run_failure(body: RunFailureReport, svc: ServiceDep) -> RunFail
     )
     detail = (
         f"recorded; plan queries now use at most {lowered.max_micro_batch} with accumulation"
+        if changed and lowered.max_micro_batch is not None
+        else f"recorded; plan queries now use at most {lowered.max_micro_batch_without_accumulation} (one micro-step)"
         if changed
         else "recorded; the stored answer was already below that size (or cannot go lower)"
     )
@@ -525,11 +527,19 @@ def _check_result(result: ProbeResult) -> None:
         problems.append("limit_bytes must be positive")
     # The answer's evidence: trials of its loop shape, and fresh-process runs that lowered it.
     evidence = result.evidence()
-    if not any(t.fits and t.batch == result.max_micro_batch for t in evidence):
-        problems.append(f"no fitting trial at max_micro_batch {result.max_micro_batch}")
-    above = result.max_micro_batch + result.granularity
-    if not result.capped and not any(not t.fits and t.batch == above for t in evidence):
-        problems.append(f"not capped, yet no failed trial at {above} (max_micro_batch + granularity)")
+    name, answer = "max_micro_batch", result.max_micro_batch
+    if answer is None:  # nothing fits with accumulation: the one-micro-step answer carries the result
+        name, answer = "max_micro_batch_without_accumulation", result.max_micro_batch_without_accumulation
+        evidence = [t for t in result.trials if t.micro_steps == 1]
+        if answer is None or not result.accumulation_failure:
+            problems.append(
+                "max_micro_batch is null: give max_micro_batch_without_accumulation and accumulation_failure"
+            )
+    if answer is not None and not any(t.fits and t.batch == answer for t in evidence):
+        problems.append(f"no fitting trial at {name} {answer}")
+    above = None if answer is None else answer + result.granularity
+    if above is not None and not result.capped and not any(not t.fits and t.batch == above for t in evidence):
+        problems.append(f"not capped, yet no failed trial at {above} ({name} + granularity)")
     if not _finite(result.model_dump()):
         problems.append("numbers must be finite (no NaN or Infinity)")
     if problems:

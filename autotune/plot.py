@@ -106,17 +106,20 @@ def render_plot(result: ProbeResult, format: str = "png") -> bytes:
         linewidth=1,
         label=f"limit (budget − headroom {format_bytes(result.headroom_bytes)})",
     )
+    answer = result.max_micro_batch
+    loop = "with accumulation" if result.loop.accumulates else "one micro-step"
+    if answer is None:  # nothing fits with accumulation: the one-micro-step answer
+        answer, loop = result.max_micro_batch_without_accumulation, "one micro-step; none fits with accumulation"
     ax.axvline(
-        result.max_micro_batch,
+        answer,
         color="tab:purple",
         linestyle=":",
         linewidth=1.5,
-        label=f"answer: {result.max_micro_batch}" + (" (capped)" if result.capped else ""),
+        label=f"answer: {answer}" + (" (capped)" if result.capped else ""),
     )
-    loop = "with accumulation" if result.loop.accumulates else "one micro-step"
     title = f"{result.workload.target} on {result.device.name} ({loop})"
     if prediction is not None and prediction.predicted_max_micro_batch is not None:
-        title += f" — predicted {prediction.predicted_max_micro_batch}, found {result.max_micro_batch}"
+        title += f" — predicted {prediction.predicted_max_micro_batch}, found {answer}"
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("micro-batch size")
     ax.set_ylabel("peak memory (MiB)")
@@ -138,7 +141,8 @@ def _draw_breakdown(ax: Any, result: ProbeResult, breakdown: MemoryBreakdown) ->
         bottom += _mib(size)
     ax.axhline(_mib(result.limit_bytes), color="tab:orange", linestyle="--", linewidth=1)
     ax.set_xlim(-0.6, 0.6)
-    ax.set_xticks([0], [f"batch {result.max_micro_batch}"])
+    at = result.trial_at_answer
+    ax.set_xticks([0], [f"batch {at.batch if at is not None else result.max_micro_batch}"])
     ax.tick_params(axis="y", labelleft=False)
     where = f"\nin {breakdown.peak_op}" if breakdown.peak_op else ""
     ax.set_title(f"at the answer's peak{where}", fontsize=9)

@@ -181,7 +181,7 @@ def with_plan(result: ProbeResult, request: ProbeRequest) -> ProbeResult:
     """The result with the plan for the request's effective batch (none without one)."""
     if request.effective_batch is None:
         return result.model_copy(update={"plan": None})
-    if result.throughput is not None:
+    if result.throughput is not None and result.max_micro_batch is not None:
         # The throughput objective's choice is an accumulating micro-batch no larger than the answer.
         chosen = min(result.throughput.micro_batch, result.max_micro_batch)
         made = result.with_model_warnings(

@@ -302,9 +302,10 @@ class LoopAnswer(BaseModel):
     """The largest micro-batch verified for one loop shape: it fitted, and one more did not."""
 
     loop: LoopShape
-    max_micro_batch: int = Field(ge=1)
+    max_micro_batch: int | None = Field(ge=1, description="None when no size fits this loop (`reason` says why).")
     capped: bool
     prediction: Prediction | None = None
+    reason: str | None = Field(default=None, description="Why no size fits this loop, when none does.")
 
 
 class ConfirmationCheck(BaseModel):
@@ -353,8 +354,14 @@ class ProbeResult(BaseModel):
     budget_bytes: int = Field(description="Memory the probe was allowed before headroom.")
     headroom_bytes: int = Field(ge=0)
     limit_bytes: int = Field(description="budget_bytes - headroom_bytes: the peak a fitting trial stays under.")
-    max_micro_batch: int = Field(
-        ge=1, description="The answer for `loop`: with accumulation (the safe one) unless `loop` says otherwise."
+    max_micro_batch: int | None = Field(
+        ge=1,
+        description="The answer for `loop`: with accumulation (the safe one) unless `loop` says otherwise. None "
+        "when no size fits with accumulation while one micro-step fits: `accumulation_failure` says why, and plans "
+        "that need no accumulation come from `max_micro_batch_without_accumulation`.",
+    )
+    accumulation_failure: str | None = Field(
+        default=None, description="Why no micro-batch fits the accumulating loop (max_micro_batch is None)."
     )
     capped: bool = Field(description="True when the cap (--max-batch) fitted: the true maximum may be larger.")
     loop: LoopShape = Field(default_factory=LoopShape, description="The loop `max_micro_batch` was verified for.")
@@ -392,6 +399,9 @@ class ProbeResult(BaseModel):
 
     @property
     def trial_at_answer(self) -> TrialRecord | None:
+        if self.max_micro_batch is None:  # no accumulating answer: the one-micro-step answer's trial
+            single = self.max_micro_batch_without_accumulation
+            return next((t for t in self.trials if t.batch == single and t.fits and t.micro_steps == 1), None)
         return next((t for t in self.evidence() if t.batch == self.max_micro_batch and t.fits), None)
 
     @computed_field  # type: ignore[prop-decorator]
@@ -414,10 +424,10 @@ class ProbeResult(BaseModel):
         acc, single = self.max_micro_batch, self.max_micro_batch_without_accumulation
         if below >= self.granularity:
             if failure.accumulates:
-                acc = min(acc, below)
+                acc = None if acc is None else min(acc, below)
             else:
                 single = below if single is None else min(single, below)
-                acc = min(acc, single)
+                acc = None if acc is None else min(acc, single)
         return self.model_copy(
             update={
                 "max_micro_batch": acc,
@@ -448,6 +458,7 @@ class ProbeResult(BaseModel):
             policy,
             without_accumulation=self.max_micro_batch_without_accumulation,
             accumulation_verified=self.loop.accumulates,
+            accumulation_failure=self.accumulation_failure,
         )
         return self.with_model_warnings(made)
 

@@ -107,7 +107,7 @@ def test_fingerprint_is_stable_and_changes_with_what_determines_memory() -> None
     def key(**kwargs: object) -> str:
         request = ProbeRequest(**{"target": "gpt", "device": "cpu", "memory": 128 * MIB, **kwargs})
         device, *_ = open_device(request)
-        return result_fingerprint(load_workload(request), request, device_info(device), device.limit_bytes)
+        return result_fingerprint(load_workload(request), request, device_info(device), device)
 
     base = key()
     assert key() == base

@@ -122,3 +122,29 @@ def test_the_exact_budget_device_runs_its_steps_and_records_them() -> None:
     runner = TrialRunner(_mlp(), BudgetDevice(64 * MIB), steps=2)
     record = runner(8)
     assert record.fits and record.steps == 2 and record.allocator is None
+
+
+def test_a_job_whose_accumulating_loop_fits_at_no_size_gets_the_one_micro_step_answer() -> None:
+    """16 MiB of weights and as much gradient fit a 40 MiB limit with one micro-step; accumulation
+    also holds the next micro-step's 16 MiB gradient beside the kept one, at any batch."""
+    from autotune.errors import PlanError
+    from autotune.request import with_plan
+
+    request = ProbeRequest(target="tests.workloads:wide", device="cpu", memory=40 * MIB, headroom=0, effective_batch=64)
+    result = run_probe(request)
+    single = result.max_micro_batch_without_accumulation
+    assert single is not None and single >= 64
+    assert result.max_micro_batch is None
+    assert result.accumulation_failure is not None and "even batch 1 does not fit" in result.accumulation_failure
+    # Its trials are in the result: the accumulating loop ran out of memory at batch 1.
+    assert any(t.micro_steps > 1 and t.batch == 1 and not t.fits for t in result.trials)
+    assert result.plan is not None and result.plan.accumulation_steps == 1 and result.plan.micro_batches == [64]
+    assert result.plan.verified_for == "one-micro-step"
+    # An effective batch that would need accumulation has no plan, and says why.
+    too_big = request.model_copy(update={"effective_batch": 4 * single})
+    try:
+        with_plan(result, too_big)
+    except PlanError as exc:
+        assert "no micro-batch fits with accumulation" in str(exc) and f"at most {single}" in str(exc)
+    else:
+        raise AssertionError("a plan that needs accumulation was made")

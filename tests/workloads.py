@@ -114,3 +114,15 @@ def classifier() -> Workload:
         make_batch=batch,
         loss=lambda model, xy: nn.functional.cross_entropy(model(xy[0]), xy[1]),
     )
+
+
+def wide(width: int = 2048) -> Workload:
+    """One large weight and tiny activations: accumulating needs a second gradient's worth of memory
+    (the new gradient beside the kept one), so a limit between the two fits one micro-step only."""
+    return Workload(
+        name="wide",
+        build_model=lambda: nn.Linear(width, width, bias=False),
+        make_batch=lambda b, device: torch.randn(b, width, device=device),
+        loss=lambda model, x: model(x).square().mean(),
+        optimizer="sgd",
+    )

@@ -107,7 +107,7 @@ def options_dict(pairs: list[str]) -> dict[str, Any]:
     return dict(parse_options(pairs))
 
 
-def _check_target(request: ProbeRequest, in_process: bool) -> None:
+def check_target(request: ProbeRequest, in_process: bool) -> None:
     """Refuse a target that cannot be imported, before any process starts. What needs the import
     (the attribute, the factory's options, the module's own errors) is found by whoever imports it:
     with --in-process this process (once: the probe reuses it), otherwise the probe's child, whose
@@ -121,7 +121,7 @@ def _check_target(request: ProbeRequest, in_process: bool) -> None:
         load_workload(request)
 
 
-def _on_budget_device(device: str | None) -> bool:
+def on_budget_device(device: str | None) -> bool:
     """Whether the probe runs on the cpu budget device: `--device cpu`, or no device with no CUDA
     (read from torch's build without importing torch where it is a CPU-only build)."""
     if device is not None:
@@ -135,7 +135,7 @@ def _on_budget_device(device: str | None) -> bool:
     return not torch.cuda.is_available()
 
 
-def _check_ignored_flags(fields: dict[str, Any], timeout: float | None, in_process: bool) -> None:
+def check_ignored_flags(fields: dict[str, Any], timeout: float | None, in_process: bool) -> None:
     """Flags that would have no effect are refused, naming why, rather than silently ignored."""
     if fields["search"] in (None, "predict") and fields["start_batch"] != 1:
         raise ConfigError(
@@ -173,14 +173,14 @@ def _check_ignored_flags(fields: dict[str, Any], timeout: float | None, in_proce
         )
         if given
     ]
-    if flags and _on_budget_device(fields["device"]):
+    if flags and on_budget_device(fields["device"]):
         where = "--device cpu is" if fields["device"] is not None else "without CUDA here, the probe runs on"
         raise ConfigError(
             f"{flags[0]} applies to a CUDA device, and {where} the cpu budget device, whose memory no other "
             f"process holds: drop {flags[0]}"
             + (" (size the budget device with --memory)" if "budget" in flags[0] else "")
         )
-    if fields["allocator"] is not None and not _on_budget_device(fields["device"]):
+    if fields["allocator"] is not None and not on_budget_device(fields["device"]):
         raise ConfigError(
             f"--allocator {fields['allocator']} chooses how the cpu budget device counts memory, and this probe runs "
             "on CUDA, whose own caching allocator is measured: drop --allocator (--allocator-config sets its settings)"
@@ -192,7 +192,7 @@ def _check_ignored_flags(fields: dict[str, Any], timeout: float | None, in_proce
         )
 
 
-def _check_cpu_budget(request: Any, settings: Any) -> None:
+def check_cpu_budget(request: Any, settings: Any) -> None:
     """The budget device really allocates the memory it simulates, in host RAM: refuse a size the
     host cannot hold, and one above AUTOTUNE_MAX_CPU_MEMORY (the cap the service has too), before
     the probe reports host failures as out-of-memory trials and answers by host RAM (or its child
@@ -218,7 +218,7 @@ def _check_cpu_budget(request: Any, settings: Any) -> None:
         )
 
 
-def _check_timeout(seconds: float, name: str) -> None:
+def check_timeout(seconds: float, name: str) -> None:
     if math.isfinite(seconds) and seconds > 0:
         return
     if name.startswith("--"):
@@ -327,77 +327,7 @@ def validation_message(exc: ValueError) -> str:
     return str(exc)
 
 
-def probe_request(flags: dict[str, Any]) -> tuple[ProbeRequest, Settings, float]:
-    """The probe command's flags, checked, as a `ProbeRequest`; with the settings and the timeout in
-    force. Every check that needs no torch comes first: bad input answers at once."""
-    publish, timeout, in_process = flags["publish"], flags["timeout"], flags["in_process"]
-    if publish is not None and not publish.startswith(("http://", "https://")):
-        raise ConfigError(f"--publish {publish!r} must be the service's URL, e.g. http://autotune:8000")
-    if timeout is not None:
-        _check_timeout(timeout, "--timeout")
-    check_device(flags["device"])
-    pairs = check_options(flags["option"])
-    fields = _request_fields(flags)
-    _check_probe_relations(flags)
-    if flags["plot"] is not None:
-        from autotune.plot import check_plot_path, require_matplotlib
-
-        check_plot_path(flags["plot"])
-        require_matplotlib()
-    settings = load_settings()
-    if timeout is None:
-        _check_timeout(settings.probe_timeout, "AUTOTUNE_PROBE_TIMEOUT")
-    _check_ignored_flags(fields, timeout, in_process)
-    from autotune.request import ProbeRequest  # no torch: the probe's process imports it, and the workload
-
-    try:
-        request = ProbeRequest.model_validate({**fields, "options": options_dict(pairs)})
-    except ValueError as exc:  # pydantic's ValidationError
-        raise ConfigError(validation_message(exc)) from None
-    if _on_budget_device(request.device):
-        _check_cpu_budget(request, settings)
-    _check_target(request, in_process)
-    return request, settings, timeout if timeout is not None else settings.probe_timeout
-
-
-def _request_fields(flags: dict[str, Any]) -> dict[str, Any]:
-    """The request's fields from the flags, each choice and size checked by the flag's rule."""
-    optimizer = flags["optimizer"]
-    return dict(
-        target=flags["target"],
-        device=flags["device"],
-        memory=size_flag("--memory", flags["memory"]),
-        budget=choice(flags["budget"], ("total", "free"), "--budget"),
-        headroom=headroom_flag("--headroom", flags["headroom"]),
-        precision=choice(flags["precision"], ("fp32", "bf16", "fp16"), "--precision"),
-        optimizer=choice(optimizer.lower() if optimizer else optimizer, ("sgd", "adam", "adamw"), "--optimizer"),
-        policy=policy_flag(flags["policy"]),
-        min_free_memory=size_flag("--min-free-memory", flags["min_free_memory"], allow_zero=True),
-        search=choice(flags["search"], ("plain", "predict"), "--search"),
-        objective=choice(flags["objective"], ("memory", "throughput"), "--objective"),
-        parallel=choice(flags["parallel"], ("none", "ddp", "fsdp"), "--parallel"),
-        allocator=choice(flags["allocator"], ("exact", "cuda"), "--allocator"),
-        allocator_config=allocator_config_flag(flags["allocator_config"]),
-        **{
-            name: flags[name]
-            for name in (
-                "steps",
-                "max_batch",
-                "start_batch",
-                "granularity",
-                "effective_batch",
-                "world_size",
-                "prefetch",
-                "confirm",
-                "confirm_steps",
-                "max_steps",
-                "reshard_after_forward",
-            )
-        },
-    )
-
-
-def _check_probe_relations(flags: dict[str, Any]) -> None:
+def check_probe_relations(flags: dict[str, Any]) -> None:
     """Flags that are each valid but wrong together."""
     parallel, world_size, max_batch = flags["parallel"], flags["world_size"], flags["max_batch"]
     if not flags["reshard_after_forward"] and parallel != "fsdp":

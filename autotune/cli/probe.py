@@ -1,16 +1,33 @@
 """`autotune probe`: the largest micro-batch of a workload that fits, confirmed, with its plan.
 
-The command is the flags and three steps: the flags made a request (`checks.probe_request`, every
+The command is the flags and three steps: the flags made a request (`probe_request`, every
 check first), the probe run with its progress shown (`progress`), the result said (`summary`, or
 `--json`), drawn (`--plot`) and published (`--publish`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from autotune.cli.app import app, emit_json, err
-from autotune.cli.checks import probe_request
+from autotune.cli.checks import (
+    allocator_config_flag,
+    check_cpu_budget,
+    check_device,
+    check_ignored_flags,
+    check_options,
+    check_probe_relations,
+    check_target,
+    check_timeout,
+    choice,
+    headroom_flag,
+    load_settings,
+    on_budget_device,
+    options_dict,
+    policy_flag,
+    size_flag,
+    validation_message,
+)
 from autotune.cli.options import (
     DEFAULT_POLICY,
     AllocatorConfigOption,
@@ -47,8 +64,10 @@ from autotune.cli.options import (
 )
 from autotune.cli.progress import run_with_progress
 from autotune.cli.summary import print_summary
+from autotune.errors import ConfigError
 
 if TYPE_CHECKING:
+    from autotune.request import ProbeRequest
     from autotune.results import ProbeResult
     from autotune.settings import Settings
 
@@ -115,3 +134,73 @@ def _report(
 
         fingerprint = publish_result(publish, result, token=settings.token)
         err.print(f"published to {publish} (fingerprint {fingerprint[:16]})", highlight=False, markup=False)
+
+
+def probe_request(flags: dict[str, Any]) -> tuple[ProbeRequest, Settings, float]:
+    """The probe command's flags, checked, as a `ProbeRequest`; with the settings and the timeout in
+    force. Every check that needs no torch comes first: bad input answers at once."""
+    publish, timeout, in_process = flags["publish"], flags["timeout"], flags["in_process"]
+    if publish is not None and not publish.startswith(("http://", "https://")):
+        raise ConfigError(f"--publish {publish!r} must be the service's URL, e.g. http://autotune:8000")
+    if timeout is not None:
+        check_timeout(timeout, "--timeout")
+    check_device(flags["device"])
+    pairs = check_options(flags["option"])
+    fields = _request_fields(flags)
+    check_probe_relations(flags)
+    if flags["plot"] is not None:
+        from autotune.plot import check_plot_path, require_matplotlib
+
+        check_plot_path(flags["plot"])
+        require_matplotlib()
+    settings = load_settings()
+    if timeout is None:
+        check_timeout(settings.probe_timeout, "AUTOTUNE_PROBE_TIMEOUT")
+    check_ignored_flags(fields, timeout, in_process)
+    from autotune.request import ProbeRequest  # no torch: the probe's process imports it, and the workload
+
+    try:
+        request = ProbeRequest.model_validate({**fields, "options": options_dict(pairs)})
+    except ValueError as exc:  # pydantic's ValidationError
+        raise ConfigError(validation_message(exc)) from None
+    if on_budget_device(request.device):
+        check_cpu_budget(request, settings)
+    check_target(request, in_process)
+    return request, settings, timeout if timeout is not None else settings.probe_timeout
+
+
+def _request_fields(flags: dict[str, Any]) -> dict[str, Any]:
+    """The request's fields from the flags, each choice and size checked by the flag's rule."""
+    optimizer = flags["optimizer"]
+    return dict(
+        target=flags["target"],
+        device=flags["device"],
+        memory=size_flag("--memory", flags["memory"]),
+        budget=choice(flags["budget"], ("total", "free"), "--budget"),
+        headroom=headroom_flag("--headroom", flags["headroom"]),
+        precision=choice(flags["precision"], ("fp32", "bf16", "fp16"), "--precision"),
+        optimizer=choice(optimizer.lower() if optimizer else optimizer, ("sgd", "adam", "adamw"), "--optimizer"),
+        policy=policy_flag(flags["policy"]),
+        min_free_memory=size_flag("--min-free-memory", flags["min_free_memory"], allow_zero=True),
+        search=choice(flags["search"], ("plain", "predict"), "--search"),
+        objective=choice(flags["objective"], ("memory", "throughput"), "--objective"),
+        parallel=choice(flags["parallel"], ("none", "ddp", "fsdp"), "--parallel"),
+        allocator=choice(flags["allocator"], ("exact", "cuda"), "--allocator"),
+        allocator_config=allocator_config_flag(flags["allocator_config"]),
+        **{
+            name: flags[name]
+            for name in (
+                "steps",
+                "max_batch",
+                "start_batch",
+                "granularity",
+                "effective_batch",
+                "world_size",
+                "prefetch",
+                "confirm",
+                "confirm_steps",
+                "max_steps",
+                "reshard_after_forward",
+            )
+        },
+    )

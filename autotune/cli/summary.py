@@ -81,15 +81,19 @@ def plan_lines(p: Plan) -> list[str]:
 
 def print_summary(result: ProbeResult) -> None:
     at = result.trial_at_answer
-    out.print(
-        f"[bold]max micro-batch: {result.max_micro_batch}[/]"
-        + (" [yellow](capped: the cap fitted, the true maximum may be larger)[/]" if result.capped else "")
-        + (" with gradient accumulation" if result.loop.accumulates else "")
-    )
-    if result.max_micro_batch_without_accumulation is not None and result.loop.accumulates:
+    single = result.max_micro_batch_without_accumulation
+    if result.max_micro_batch is None:
+        out.print(f"[bold]max micro-batch: {single}[/] with one micro-step per optimizer step (no accumulation)")
+        out.print(f"  [yellow]with gradient accumulation: none fits:[/] {escape(result.accumulation_failure or '')}")
+        out.print("  plans that need no accumulation are made from the answer above", highlight=False)
+    else:
         out.print(
-            f"  without accumulation (one micro-step per optimizer step): {result.max_micro_batch_without_accumulation}"
+            f"[bold]max micro-batch: {result.max_micro_batch}[/]"
+            + (" [yellow](capped: the cap fitted, the true maximum may be larger)[/]" if result.capped else "")
+            + (" with gradient accumulation" if result.loop.accumulates else "")
         )
+        if single is not None and result.loop.accumulates:
+            out.print(f"  without accumulation (one micro-step per optimizer step): {single}")
     out.print(f"  verified for: {result.loop.describe()}", highlight=False, markup=False)
     if result.workload.parallel.strategy != "none":
         from autotune.parallel import describe
@@ -104,7 +108,8 @@ def print_summary(result: ProbeResult) -> None:
         out.print(f"  peak at {at.batch}: {format_bytes(at.peak_reserved_bytes)} reserved")
     for line in breakdown_lines(result):
         out.print(line, highlight=False, markup=False)
-    above = result.max_micro_batch + result.granularity
+    answer = result.max_micro_batch if result.max_micro_batch is not None else single
+    above = None if answer is None else answer + result.granularity
     failed = next((t for t in result.evidence() if t.batch == above and not t.fits), None)
     if failed is not None:
         out.print(f"  {failed.batch} ran out of memory: {escape(failed.oom_message or '')}")

@@ -22,6 +22,13 @@ What fills the memory at the peak (`peak_breakdown`): the trial marks storages w
 new peak copies those totals and the op running; a storage marked after the peak that was already
 alive then (born no later than the peak) moves its bytes in that copy too, so the parts of the peak
 are exact and always sum to it. Cost: a small dict copy per new peak, one dict entry per storage.
+
+With `allocator="cuda"` (or AUTOTUNE_ALLOCATOR=cuda when the device is created) every storage is
+also allocated in a model of CUDA's caching allocator (`autotune.devices.allocator`) and freed there
+when it dies: the limit then bites on the model's *reserved* bytes, as it does on a GPU, so reserved
+exceeds allocated, blocks fragment, a failed segment allocation frees the cache and retries, and the
+trial's settle and thrash rules see the counters a GPU would show. Peaks of allocated bytes stay
+exact; `peak_reserved_bytes` is the model's.
 """
 
 from __future__ import annotations
@@ -30,13 +37,15 @@ import functools
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from autotune.devices.allocator import AllocatorConfig, AllocatorOutOfMemory, CachingAllocatorModel
 from autotune.results import AllocatorState, MemoryBreakdown, MemoryRole
+from autotune.settings import allocator_mode
 from autotune.units import format_bytes
 
 ROUNDING = 512  # the CUDA caching allocator's block size
@@ -69,13 +78,24 @@ class _Counter:
         # ("born", key, raw bytes) / ("died", key, counted bytes): the memory-curve predictor
         # (autotune.engine.predict) compares these across batch sizes.
         self.timeline: list[tuple[str, int | str, int]] | None = None
+        # The caching allocator's model (None: exact counting) and each storage's block in it. A
+        # storage the model could not place is `refused` (the op that made it then fails).
+        self.allocator: CachingAllocatorModel | None = None
+        self.blocks: dict[int, int] = {}
+        self.refused: AllocatorOutOfMemory | None = None
 
     def add(self, storage: torch.UntypedStorage) -> int | None:
-        """Count `storage` at its current size; return what it was counted at before (None: new)."""
+        """Count `storage` at its current size; return what it was counted at before (None: new).
+
+        With the allocator model, a storage the model cannot place is not counted: `refused` says
+        why, and the caller raises the OOM."""
         key = id(storage)
         size = rounded(storage.nbytes())
         old = self.sizes.get(key)
         if old == size:
+            return old
+        placed = old is not None or size > 0  # a new empty storage holds no block
+        if self.allocator is not None and placed and not self._place(key, storage.nbytes(), old):
             return old
         if old is None:
             if size == 0:
@@ -97,6 +117,22 @@ class _Counter:
         if self.live > self.peak:
             self.new_peak()
         return old or None
+
+    def _place(self, key: int, nbytes: int, old: int | None) -> bool:
+        """Allocate a storage's (new) size in the allocator model, freeing its old block first
+        (a resize is a free and a new allocation there too). False when the model ran out."""
+        assert self.allocator is not None
+        previous = self.blocks.pop(key, None)
+        if previous is not None:
+            self.allocator.free(previous)
+        try:
+            self.blocks[key] = self.allocator.malloc(nbytes)
+        except AllocatorOutOfMemory as exc:
+            if old:  # the storage keeps its old size in the counter: give it its block back
+                self.blocks[key] = self.allocator.malloc(old)
+            self.refused = exc
+            return False
+        return True
 
     def new_peak(self) -> None:
         self.peak = self.live
@@ -128,6 +164,9 @@ class _Counter:
         if old is None:
             self._forget(key, size)
         else:
+            if self.allocator is not None:
+                self.allocator.free(self.blocks.pop(key))
+                self.blocks[key] = self.allocator.malloc(old)
             self.sizes[key] = old
             self.live -= size - old
             role = self.roles.get(key)
@@ -148,6 +187,10 @@ class _Counter:
             self.timeline.append(("died", key, size))
 
     def _forget(self, key: int, size: int) -> None:
+        if self.allocator is not None:
+            block = self.blocks.pop(key, None)
+            if block is not None:
+                self.allocator.free(block)
         self.sizes.pop(key, None)
         self.refs.pop(key, None)
         self.born.pop(key, None)
@@ -162,12 +205,27 @@ class BudgetDevice:
 
     kind = "cpu-budget"
 
-    def __init__(self, total_bytes: int, limit_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        total_bytes: int,
+        limit_bytes: int | None = None,
+        *,
+        allocator: Literal["exact", "cuda"] | None = None,
+        allocator_config: str | None = None,
+    ) -> None:
+        """`allocator`: exact (live bytes) or cuda (through the caching allocator's model, with
+        `allocator_config` in PYTORCH_CUDA_ALLOC_CONF's syntax); default AUTOTUNE_ALLOCATOR, read now."""
         self.total_bytes = total_bytes
         self.limit_bytes = total_bytes if limit_bytes is None else limit_bytes
         self.name = f"CPU budget device ({format_bytes(total_bytes)})"
         self.torch_device = torch.device("cpu")
         self._counter = _Counter()
+        self.allocator = allocator_mode() if allocator is None else allocator
+        self.allocator_config: str | None = None
+        if self.allocator == "cuda":
+            config = AllocatorConfig.parse(allocator_config)
+            self._counter.allocator = CachingAllocatorModel(self.limit_bytes, config)
+            self.allocator_config = f"model of CUDA's caching allocator, {config.describe()}"
 
     # Counting -----------------------------------------------------------------------------
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -175,6 +233,7 @@ class BudgetDevice:
         for tensor in tensors:
             for storage in local_storages(tensor):
                 self._counter.add(storage)
+                _raise_refused(self._counter, "track")
 
     def live_bytes(self) -> int:
         return self._counter.live
@@ -183,11 +242,15 @@ class BudgetDevice:
         return self._counter.peak
 
     def peak_reserved_bytes(self) -> int:
-        # There is no cache to hold freed blocks: reserved equals allocated.
-        return self._counter.peak
+        model = self._counter.allocator
+        if model is None:  # exact counting has no cache to hold freed blocks: reserved equals allocated
+            return self._counter.peak
+        return model.stats().peak_reserved_bytes
 
     def reset_peak(self) -> None:
         self._counter.new_peak()
+        if self._counter.allocator is not None:
+            self._counter.allocator.reset_peak()
 
     def mark(self, tensors: Iterable[torch.Tensor], role: MemoryRole) -> None:
         """Say what counted tensors are (the model's, gradients, optimizer state) for `peak_breakdown`."""
@@ -213,14 +276,27 @@ class BudgetDevice:
         )
 
     def empty_cache(self) -> None:
-        """Nothing is cached on the budget device."""
+        """Exact counting caches nothing; the allocator model returns its free segments, as
+        `torch.cuda.empty_cache()` does."""
+        if self._counter.allocator is not None:
+            self._counter.allocator.empty_cache()
 
     def synchronize(self) -> None:
         """CPU ops are synchronous."""
 
     def allocator_state(self) -> AllocatorState | None:
-        """None: exact counting has no cache whose state could change from step to step."""
-        return None
+        """The allocator model's counters; None for exact counting (no cache whose state could
+        change from step to step)."""
+        model = self._counter.allocator
+        if model is None:
+            return None
+        stats = model.stats()
+        return AllocatorState(
+            reserved_bytes=stats.reserved_bytes,
+            segments=stats.segments,
+            retries=stats.num_alloc_retries,
+            device_allocations=stats.num_device_alloc,
+        )
 
     @contextmanager
     def record_timeline(self) -> Iterator[list[tuple[str, int | str, int]]]:
@@ -256,7 +332,10 @@ def _counted_resizes(counter: _Counter, limit_bytes: int) -> Iterator[None]:
         result = original(storage, size)
         before = counter.live
         old = counter.add(storage)
-        if counter.live > limit_bytes and counter.live > before:
+        if counter.refused is not None:
+            original(storage, before_size)
+            _raise_refused(counter, "UntypedStorage.resize_")
+        if counter.live > limit_bytes and counter.live > before and counter.allocator is None:
             would_be = counter.live
             counter.undo(id(storage), old)
             original(storage, before_size)
@@ -297,9 +376,14 @@ class _BudgetMode(TorchDispatchMode):
         before = counter.live
         out = func(*args, **(kwargs or {}))
         added = _count_outputs(counter, out)
+        if counter.refused is not None:  # the allocator model could not place an output
+            for key, old in reversed(added):
+                counter.undo(key, old)
+            del out
+            _raise_refused(counter, str(func))
         # Only an op that allocated can run out of memory: a view, an in-place op or a 0-byte
         # result never raises, whatever is live (as on CUDA, where only an allocation fails).
-        if counter.live > self.limit and counter.live > before:
+        if counter.live > self.limit and counter.live > before and counter.allocator is None:
             asked = counter.live - before
             would_be = counter.live
             for key, old in reversed(added):
@@ -323,8 +407,21 @@ def _count_outputs(counter: _Counter, out: Any) -> list[tuple[int, int | None]]:
     added: list[tuple[int, int | None]] = []
     for value in tree_flatten(out)[0]:
         for storage in local_storages(value):
-            added.append((id(storage), counter.add(storage)))
+            old = counter.add(storage)
+            if counter.refused is not None:  # as on CUDA, the op fails at its first failed allocation
+                return added
+            added.append((id(storage), old))
     return added
+
+
+def _raise_refused(counter: _Counter, where: str) -> None:
+    """Raise the allocator model's out-of-memory as torch's (the class CUDA raises), once."""
+    refused, counter.refused = counter.refused, None
+    if refused is None:
+        return
+    raise torch.OutOfMemoryError(
+        f"{refused} (autotune's CPU budget device with a model of CUDA's caching allocator; in {where})"
+    )
 
 
 def local_storages(value: object) -> Iterator[torch.UntypedStorage]:

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 
 from autotune.devices.budget import local_storages
-from autotune.errors import DeviceError
+from autotune.errors import ConfigError, DeviceError
 from autotune.results import AllocatorState, MemoryBreakdown, MemoryRole
 
 BLOCK = 512  # the caching allocator rounds every block up to a multiple of this
@@ -27,6 +27,21 @@ def cuda_available() -> bool:
 def allocator_config() -> str | None:
     """The caching allocator's settings, which change how much a step reserves."""
     return os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+
+
+def apply_allocator_config(config: str | None) -> None:
+    """Run this process's caching allocator with `config` (PYTORCH_CUDA_ALLOC_CONF's syntax). It is
+    read once, when CUDA starts: a process whose CUDA already runs with other settings is refused."""
+    if config is None or allocator_config() == config:
+        return
+    if torch.cuda.is_initialized():
+        raise ConfigError(
+            f"--allocator-config {config!r} must be set before CUDA starts, and this process already runs it with "
+            f"{allocator_config() or 'the defaults'}: drop --in-process (the probe's own processes take it), or set "
+            "PYTORCH_CUDA_ALLOC_CONF before starting"
+        )
+    os.environ.pop("PYTORCH_ALLOC_CONF", None)  # the newer name would win over ours
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = config
 
 
 class CudaDevice:
@@ -45,6 +60,7 @@ class CudaDevice:
         if limit_bytes > self.total_bytes:
             raise DeviceError(f"the limit {limit_bytes} B exceeds cuda:{index}'s total memory {self.total_bytes} B")
         self.limit_bytes = limit_bytes
+        self.allocator_config = allocator_config()
         torch.cuda.set_device(index)
         torch.cuda.set_per_process_memory_fraction(limit_bytes / self.total_bytes, index)
         # For peak_breakdown: the model's bytes, and the largest gradients and optimizer state

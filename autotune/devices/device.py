@@ -23,6 +23,7 @@ class ProbeDevice(Protocol):
     total_bytes: int
     limit_bytes: int
     torch_device: torch.device
+    allocator_config: str | None  # the caching allocator's settings, in words (None: the defaults or none)
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None: ...
     def mark(self, tensors: Iterable[torch.Tensor], role: MemoryRole) -> None: ...

@@ -88,7 +88,9 @@ def checks_for(result: ProbeResult, request: ProbeRequest) -> list[tuple[str, in
     Both answers are confirmed (a stored result answers later plans too); the plan's micro-batch
     is confirmed in its own loop, which a larger answer that passed in the same loop kind covers
     (memory grows with the batch), so `confirm_answers` runs it only when nothing covers it."""
-    todo = [("max_micro_batch", result.max_micro_batch, _loop(CONFIRM_MICRO_STEPS, request))]
+    todo: list[tuple[str, int, LoopShape]] = []
+    if result.max_micro_batch is not None:
+        todo.append(("max_micro_batch", result.max_micro_batch, _loop(CONFIRM_MICRO_STEPS, request)))
     if result.max_micro_batch_without_accumulation is not None:
         single = result.max_micro_batch_without_accumulation
         todo.append(("max_micro_batch_without_accumulation", single, _loop(1, request)))
@@ -107,10 +109,10 @@ def lowered(result: ProbeResult, request: ProbeRequest, accumulates: bool, confi
     single = result.max_micro_batch_without_accumulation
     acc = result.max_micro_batch
     if accumulates:
-        acc = min(acc, confirmed)
+        acc = None if acc is None else min(acc, confirmed)
     else:
         single = confirmed if single is None else min(single, confirmed)
-        acc = min(acc, single)
+        acc = None if acc is None else min(acc, single)
     updated = result.model_copy(
         update={"max_micro_batch": acc, "max_micro_batch_without_accumulation": single, "capped": False}
     )
@@ -356,13 +358,21 @@ def _one_trial(job: FreshRunRequest, on_progress: ProgressCallback | None = None
     workload = load_workload(job.probe)
     device: ProbeDevice
     if job.device_kind == "cuda":
-        from autotune.devices.cuda import CudaDevice
+        from autotune.devices.cuda import CudaDevice, apply_allocator_config
 
+        apply_allocator_config(job.probe.allocator_config)
         device = CudaDevice(job.device_index or 0, job.limit_bytes)
     else:
-        device = BudgetDevice(job.total_bytes, job.limit_bytes)
+        device = BudgetDevice(
+            job.total_bytes,
+            job.limit_bytes,
+            allocator=job.probe.allocator,
+            allocator_config=job.probe.allocator_config or os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        )
     try:
-        runner = TrialRunner(workload, device, steps=job.loop.steps, on_progress=on_progress)
+        runner = TrialRunner(
+            workload, device, steps=job.loop.steps, on_progress=on_progress, max_steps=job.probe.max_steps
+        )
     except NothingFitsError as exc:
         # The model alone did not fit in this process: as much an answer as an OOM in a step.
         return TrialRecord(

@@ -30,7 +30,7 @@ from autotune.engine.objective import time_and_choose
 from autotune.engine.predict import predicted_search
 from autotune.engine.search import SearchOutcome, search, search_from_guess
 from autotune.engine.trial import TrainLoop, TrialRunner
-from autotune.errors import ConfigError, InsufficientMemoryError
+from autotune.errors import ConfigError, InsufficientMemoryError, NothingFitsError
 from autotune.parallel import sharding_name
 from autotune.progress import ProgressCallback
 from autotune.request import ProbeRequest, TrialCallback, parse_device, with_plan  # (re-exported)
@@ -73,8 +73,15 @@ def open_device(request: ProbeRequest) -> tuple[ProbeDevice, str, int, int]:
         policy_name = "memory" if request.memory else "total"
         room = headroom_bytes(budget, headroom)
         _check_limit(budget, room)
-        return BudgetDevice(budget, budget - room), policy_name, budget, room
+        device = BudgetDevice(
+            budget,
+            budget - room,
+            allocator=request.allocator,
+            allocator_config=request.allocator_config or cuda.allocator_config(),
+        )
+        return device, policy_name, budget, room
 
+    cuda.apply_allocator_config(request.allocator_config)
     free, total = cuda.card_memory(index)
     if policy == "free":
         budget, policy_name = free, "free"
@@ -142,7 +149,7 @@ def as_requested(workload: Workload, request: ProbeRequest) -> Workload:
     return workload if spec == workload.parallel else dataclasses.replace(workload, parallel=spec)
 
 
-def result_fingerprint(workload: Workload, request: ProbeRequest, info: DeviceInfo, limit_bytes: int) -> str:
+def result_fingerprint(workload: Workload, request: ProbeRequest, info: DeviceInfo, device: ProbeDevice) -> str:
     """The result's fingerprint. `autotune.workloads.fingerprint.result_environment` reads the same
     environment back from the result, so that the service can check a published result's model."""
     environment = fingerprint.probe_environment(
@@ -150,13 +157,13 @@ def result_fingerprint(workload: Workload, request: ProbeRequest, info: DeviceIn
         device_kind=info.kind,
         device_name=info.name,
         total_bytes=info.total_bytes,
-        limit_bytes=limit_bytes,
+        limit_bytes=device.limit_bytes,
         max_batch=request.max_batch,
         granularity=request.granularity,
         prefetch=request.prefetch,
         torch_version=torch.__version__,
         cuda_version=torch.version.cuda,
-        allocator=cuda.allocator_config(),
+        allocator=device.allocator_config,
         parallel=workload.parallel,
     )
     return fingerprint.fingerprint(workload, **environment)
@@ -185,18 +192,27 @@ def run_probe(
     workload = load_workload(request) if workload is None else as_requested(workload, request)
     device, policy, budget, room = open_device(request)
     info = device_info(device)
-    key = result_fingerprint(workload, request, info, device.limit_bytes)
+    key = result_fingerprint(workload, request, info, device)
     runner = TrialRunner(
-        workload, device, steps=request.steps, prefetch=request.prefetch, train=train, on_progress=on_progress
+        workload,
+        device,
+        steps=request.steps,
+        prefetch=request.prefetch,
+        train=train,
+        on_progress=on_progress,
+        max_steps=request.max_steps,
     )
     single = LoopShape(micro_steps=1, steps=request.steps, prefetch=request.prefetch)
     accumulating = single.model_copy(update={"micro_steps": ACCUMULATING_MICRO_STEPS})
+
+    ran: list[TrialRecord] = []  # every trial, in order: a search that finds nothing returns none
 
     def trial_in(loop: LoopShape) -> Callable[[int], TrialRecord]:
         run = runner.trial_fn(loop)
 
         def trial(batch: int) -> TrialRecord:
             record = run(batch)
+            ran.append(record)
             if on_trial is not None:
                 on_trial(record)
             return record
@@ -207,7 +223,17 @@ def run_probe(
     trials: list[TrialRecord] = []
     outcomes: dict[int, SearchOutcome] = {}
     for loop in (single, accumulating):
-        outcome, prediction = _search(trial_in(loop), device, request)
+        before = len(ran)
+        try:
+            outcome, prediction = _search(trial_in(loop), device, request)
+        except NothingFitsError as exc:
+            if not loop.accumulates:
+                raise
+            # One micro-step fits and accumulation fits at no size (its gradients alive in forward
+            # leave no room): an answer for the one loop, and the reason for the other.
+            trials += ran[before:]
+            answers.append(LoopAnswer(loop=loop, max_micro_batch=None, capped=False, reason=str(exc)))
+            continue
         outcomes[loop.micro_steps] = outcome
         trials += outcome.trials
         answers.append(
@@ -222,7 +248,7 @@ def run_probe(
         notes.append(note)
     safe = answers[-1]
     throughput = None
-    if request.objective == "throughput":
+    if request.objective == "throughput" and safe.max_micro_batch is not None:
         # Timed in the accumulating loop: a plan that needs throughput tuning accumulates.
         searched = len(outcomes[ACCUMULATING_MICRO_STEPS].trials)
         throughput = time_and_choose(
@@ -252,6 +278,7 @@ def run_probe(
         headroom_bytes=room,
         limit_bytes=device.limit_bytes,
         max_micro_batch=safe.max_micro_batch,
+        accumulation_failure=None if safe.reason is None else f"no micro-batch fits with accumulation: {safe.reason}",
         capped=safe.capped,
         loop=safe.loop,
         max_micro_batch_without_accumulation=answers[0].max_micro_batch,
@@ -264,7 +291,7 @@ def run_probe(
         throughput=throughput,
         trials=trials,
         batch_norm=any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in runner.model.modules()),
-        allocator_config=cuda.allocator_config(),
+        allocator_config=device.allocator_config,
         notes=notes,
         versions=versions(),
         duration_seconds=time.perf_counter() - started,
@@ -284,9 +311,9 @@ def _consistent(
     29, 138 > 137, and 5415 then ran out of memory at step 3). Such an answer is searched again at or
     below the one-micro-step answer; returns (the new answer, its trials, why), or None."""
     single, accumulating = answers
-    if accumulating.max_micro_batch <= single.max_micro_batch or single.capped:
-        return None
     cap = single.max_micro_batch
+    if accumulating.max_micro_batch is None or cap is None or accumulating.max_micro_batch <= cap or single.capped:
+        return None
     redo = search_from_guess(trial, cap, cap=cap, granularity=request.granularity, limit_bytes=limit_bytes)
     answer = accumulating.model_copy(update={"max_micro_batch": redo.max_micro_batch, "capped": False})
     note = (

@@ -20,5 +20,7 @@ def micro_and_accumulation(result: ProbeResult) -> tuple[int, int]:
     """What a framework runs: the plan's micro-batch and steps, or without an effective batch the
     largest micro-batch that fits one micro-step per optimizer step."""
     if result.plan is None:
-        return result.max_micro_batch_without_accumulation or result.max_micro_batch, 1
+        largest = result.max_micro_batch_without_accumulation or result.max_micro_batch
+        assert largest is not None  # a result answers at least one loop
+        return largest, 1
     return result.plan.micro_batch, result.plan.accumulation_steps

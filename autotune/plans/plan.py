@@ -141,20 +141,35 @@ def plan(
 
 def plan_for_loops(
     effective_batch: int,
-    max_micro_batch: int,
+    max_micro_batch: int | None,
     world_size: int = 1,
     policy: Policy | str = Policy.FEWEST_STEPS,
     *,
     without_accumulation: int | None = None,
     accumulation_verified: bool = True,
+    accumulation_failure: str | None = None,
 ) -> Plan:
     """Plan from a probe's answers, never pairing a micro-batch with a loop it was not verified for.
 
     `max_micro_batch` holds with accumulation (when `accumulation_verified`), `without_accumulation`
     for one micro-step. One micro-step of E/W when it fits without accumulation; otherwise an
     accumulating plan from the accumulation answer. A maximum verified for one micro-step only
-    cannot plan accumulation.
+    cannot plan accumulation. With no accumulation answer (`max_micro_batch` None: no size fits
+    with accumulation, `accumulation_failure` says why) only plans of one micro-step are made.
     """
+    if max_micro_batch is None:
+        if without_accumulation is None:
+            raise PlanError("no micro-batch fits in either loop: there is nothing to plan from")
+        per_rank = _per_rank(effective_batch, without_accumulation, world_size)
+        if per_rank <= without_accumulation:
+            made = _build(parse_policy(policy), effective_batch, world_size, without_accumulation, [per_rank], [])
+            return made.model_copy(update={"verified_for": "one-micro-step"})
+        raise PlanError(
+            f"effective batch {effective_batch} needs {per_rank} samples per rank, more than the "
+            f"{without_accumulation} that fit with one micro-step per optimizer step, and no micro-batch fits with "
+            f"accumulation ({accumulation_failure or 'the gradients alive during forward leave no room'}): ask for "
+            f"at most {without_accumulation * world_size}, or give the probe more memory"
+        )
     per_rank = _per_rank(effective_batch, max_micro_batch, world_size)
     single = (
         without_accumulation
