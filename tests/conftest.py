@@ -12,6 +12,29 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
+# pytest-xdist's workers run with COLUMNS=80, which rich reads into the CLI's consoles when they are
+# created (at import): a test that widens the terminal with COLUMNS then still got 80 columns.
+os.environ.pop("COLUMNS", None)
+
+# `make test` runs two workers, each test file on one (--dist loadfile): the longest files go first,
+# so that neither worker is left with one of them at the end while the other idles.
+LONGEST_FIRST = (
+    "test_readme.py",
+    "test_parallel.py",
+    "test_cuda_truth.py",
+    "test_run_holds.py",
+    "test_estimate.py",
+    "test_confirm.py",
+    "test_api_probes.py",
+    "test_cluster.py",
+    "test_client.py",
+    "test_api_restart.py",
+    "test_api_readme.py",
+    "test_api_contract.py",
+    "test_integration_lightning.py",
+    "test_api_faults.py",
+)
+
 
 def _cuda() -> bool:
     try:
@@ -22,6 +45,8 @@ def _cuda() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
     if _cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -55,7 +55,7 @@ class Server:
     log: Path
     env: dict[str, str] = field(default_factory=dict)
 
-    def client(self, token: str | None = None, timeout: float = 30.0) -> httpx.Client:
+    def client(self, token: str | None = None, timeout: float = 120.0) -> httpx.Client:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         return httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
 

@@ -87,7 +87,9 @@ def test_a_parallel_job_is_probed_and_planned_per_rank_of_its_setup(client: http
     refused = client.get("/v1/plan", params={**base, "parallel": "fsdp"})
     assert refused.status_code == 422 and "world_size" in refused.text
     views = {
-        name: client.get("/v1/plan", params={**base, **query})
+        # The client waits longer than the service may block (wait=60), so a slow probe is a 202, not a
+        # timeout of the test's own.
+        name: client.get("/v1/plan", params={**base, **query}, timeout=120)
         for name, query in (("plain", {}), ("ddp", {"parallel": "ddp", "world_size": 2}),
                             ("fsdp", {"parallel": "fsdp", "world_size": 2, "reshard_after_forward": "false"}))
     }  # fmt: skip

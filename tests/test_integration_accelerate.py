@@ -16,10 +16,10 @@ from torch.utils.data import DataLoader, Dataset
 accelerate = pytest.importorskip("accelerate")
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
+from autotune import accumulate  # noqa: E402
 from autotune.devices.budget import BudgetDevice  # noqa: E402
 from autotune.errors import DoubleScalingError  # noqa: E402
 from autotune.integrations.accelerate import tune_accelerator  # noqa: E402
-from autotune.plans import accumulate  # noqa: E402
 from autotune.plans.plan import plan  # noqa: E402
 from autotune.plans.sampler import PlanBatchSampler  # noqa: E402
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
 from torch import nn
 
@@ -142,9 +143,57 @@ def test_a_job_whose_accumulating_loop_fits_at_no_size_gets_the_one_micro_step_a
     assert result.plan.verified_for == "one-micro-step"
     # An effective batch that would need accumulation has no plan, and says why.
     too_big = request.model_copy(update={"effective_batch": 4 * single})
-    try:
+    with pytest.raises(PlanError, match=rf"no micro-batch fits with accumulation.*at most {single}\b"):
         with_plan(result, too_big)
-    except PlanError as exc:
-        assert "no micro-batch fits with accumulation" in str(exc) and f"at most {single}" in str(exc)
-    else:
-        raise AssertionError("a plan that needs accumulation was made")
+
+
+def test_a_probe_refuses_a_size_that_thrashes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From batch 24 on, every step retries an allocation after freeing the cache (the counters a
+    GPU shows when a size runs at the edge), though the bytes fit: the probe answers 23, and the
+    trial at 24 says it thrashed."""
+    from autotune.engine import probe as probe_module
+
+    class Thrashing(BudgetDevice):
+        def __init__(self, total: int, limit: int, **kwargs: object) -> None:
+            super().__init__(total, limit)
+            self.batch = 0
+            self.retries = 0
+
+        def allocator_state(self) -> AllocatorState:
+            return _state(MIB, retries=self.retries)
+
+    opened = probe_module.open_device
+
+    def open_device(request: ProbeRequest) -> tuple[Thrashing, str, int, int]:
+        device, policy, budget, room = opened(request)
+        return Thrashing(budget, device.limit_bytes), policy, budget, room
+
+    monkeypatch.setattr(probe_module, "open_device", open_device)
+    made: list[Thrashing] = []
+
+    def counting(runner: TrialRunner) -> TrainLoop:
+        device = runner.device
+        assert isinstance(device, Thrashing)
+        made.append(device)
+        default = runner._train
+
+        def train(batch: int, loop: LoopShape) -> float:
+            device.batch = batch
+            return default(batch, loop)
+
+        stepped = runner.stepped
+
+        def step_done(batch: int, step: int) -> None:
+            if batch >= 24:
+                device.retries += 1
+            stepped(batch, step)
+
+        runner.stepped = step_done  # type: ignore[method-assign]
+        return train
+
+    request = ProbeRequest(target="live:mlp", device="cpu", memory=64 * MIB, headroom=0, search="plain")
+    result = run_probe(request, workload=_mlp(), train=counting)
+    assert made and result.max_micro_batch_without_accumulation == 23 and result.max_micro_batch == 23
+    thrashed = [t for t in result.trials if t.batch >= 24]
+    assert thrashed and all(not t.fits and t.failure == "thrashing" for t in thrashed)
+    assert all(t.fits and t.steps == SETTLE_MIN_STEPS for t in result.trials if t.batch < 24)

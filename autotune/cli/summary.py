@@ -104,6 +104,8 @@ def print_summary(result: ProbeResult) -> None:
         f"({escape(result.budget_policy)}), headroom {format_bytes(result.headroom_bytes)}, "
         f"limit {format_bytes(result.limit_bytes)}"
     )
+    if result.allocator_config:
+        out.print(f"  allocator: {escape(result.allocator_config)}", highlight=False)
     if at is not None:
         out.print(f"  peak at {at.batch}: {format_bytes(at.peak_reserved_bytes)} reserved")
     for line in breakdown_lines(result):
@@ -136,10 +138,19 @@ def breakdown_lines(result: ProbeResult) -> list[str]:
     shares = ", ".join(f"{label} {format_bytes(size)}" for label, size in parts.parts())
     label, size = parts.largest()
     share = size / parts.total if parts.total else 0.0
-    return [
+    lines = [
         f"  at the peak ({format_bytes(parts.total)} allocated{where}): {shares}",
         f"  largest: {label} ({share:.0%}): {parts.lever()}",
     ]
+    at = result.trial_at_answer
+    if at is not None and at.peak_reserved_bytes and at.peak_allocated_bytes:
+        cached = at.peak_reserved_bytes - at.peak_allocated_bytes
+        if cached > 0:  # a caching allocator's: what the limit counts beyond the tensors
+            lines.append(
+                f"  reserved but unallocated at the peak: {format_bytes(cached)} (the caching allocator's "
+                f"cached and split blocks; the limit counts {format_bytes(at.peak_reserved_bytes)} reserved)"
+            )
+    return lines
 
 
 def _confirmation_lines(result: ProbeResult) -> list[str]:
