@@ -23,7 +23,8 @@ $(STAMP): $(PY) pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/autotune probe gpt --effective-batch 256
 
-# Two pytest workers (one per core), each test file on one worker (its module fixtures made once).
+# Two pytest workers (one per core), each test file on one worker (its module fixtures made once), in
+# the order tests/conftest.py gives (the longest files first; xdist would order them by test count).
 # One torch thread per process: with two workers and their probes' children, torch's default of a
 # thread per core oversubscribes the cores and its spinning threads slow every process down.
 TEST_WORKERS ?= 2
@@ -31,7 +32,7 @@ TEST_WORKERS ?= 2
 test: $(STAMP) chromium
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # tests/test_status_page.py opens the service's status page in the system's Chromium (Playwright
 # drives it; it downloads no browser). As root with apt-get, a missing one is installed; the index is

@@ -35,6 +35,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -142,9 +143,15 @@ def fresh(job: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
 
 
 def truth(
-    result: dict[str, Any], device: str, steps: int, env: dict[str, str], allocator: str | None
+    result: dict[str, Any],
+    device: str,
+    steps: int,
+    env: dict[str, str],
+    allocator: str | None,
+    run: Callable[[dict[str, Any], dict[str, str]], dict[str, Any]] = fresh,
 ) -> list[dict[str, Any]]:
-    """Each answer and answer + 1 in the plain loop: what the probe claims, and what happened."""
+    """Each answer and answer + 1 in the plain loop (`run`: in a fresh process by default): what the
+    probe claims, and what happened."""
     answers = [("max_micro_batch", result["max_micro_batch"], ACCUMULATING_MICRO_STEPS)]
     if result.get("max_micro_batch_without_accumulation") is not None:
         answers.append(("max_micro_batch_without_accumulation", result["max_micro_batch_without_accumulation"], 1))
@@ -164,7 +171,7 @@ def truth(
                 "steps": steps,
                 "allocator": allocator,
             }
-            outcome = fresh(job, env)
+            outcome = run(job, env)
             expected = batch == answer
             rows.append(
                 {"answer": name, "batch": batch, "micro_steps": micro_steps, "expected_fits": expected, **outcome}

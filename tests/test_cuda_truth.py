@@ -57,7 +57,9 @@ def test_a_plain_20_step_loop_on_the_modelled_device_fits_at_the_answer_and_not_
     modelled: dict[str, Any],
 ) -> None:
     bench = _bench()
-    rows = bench.truth(modelled, "cpu", 20, {"AUTOTUNE_ALLOCATOR": "cuda"}, "cuda")
+    # In this process, each run on a budget device of its own (a fresh allocator model, what a fresh
+    # process gives on a GPU); the script runs each in a new interpreter.
+    rows = bench.truth(modelled, "cpu", 20, {}, "cuda", run=lambda job, env: bench.plain_loop(job))
     by = {(r["answer"], r["batch"]): r for r in rows}
     answer, single = modelled["max_micro_batch"], modelled["max_micro_batch_without_accumulation"]
     assert by[("max_micro_batch", answer)]["fits"], by

@@ -44,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from autotune.devices.allocator import AllocatorConfig, AllocatorOutOfMemory, CachingAllocatorModel
+from autotune.errors import ConfigError
 from autotune.results import AllocatorState, MemoryBreakdown, MemoryRole
 from autotune.settings import allocator_mode
 from autotune.units import format_bytes
@@ -223,7 +224,13 @@ class BudgetDevice:
         self.allocator = allocator_mode() if allocator is None else allocator
         self.allocator_config: str | None = None
         if self.allocator == "cuda":
-            config = AllocatorConfig.parse(allocator_config)
+            try:
+                config = AllocatorConfig.parse(allocator_config)
+            except ValueError as exc:  # from PYTORCH_CUDA_ALLOC_CONF, which no flag check has seen
+                raise ConfigError(
+                    f"the allocator model's settings {allocator_config!r} (--allocator-config, else "
+                    f"PYTORCH_CUDA_ALLOC_CONF): {exc}"
+                ) from None
             self._counter.allocator = CachingAllocatorModel(self.limit_bytes, config)
             self.allocator_config = f"model of CUDA's caching allocator, {config.describe()}"
 
