@@ -149,11 +149,13 @@ def truth(
     env: dict[str, str],
     allocator: str | None,
     run: Callable[[dict[str, Any], dict[str, str]], dict[str, Any]] = fresh,
+    *,
+    one_micro_step: bool = True,
 ) -> list[dict[str, Any]]:
     """Each answer and answer + 1 in the plain loop (`run`: in a fresh process by default): what the
-    probe claims, and what happened."""
+    probe claims, and what happened. `one_micro_step=False` runs the accumulating answer only."""
     answers = [("max_micro_batch", result["max_micro_batch"], ACCUMULATING_MICRO_STEPS)]
-    if result.get("max_micro_batch_without_accumulation") is not None:
+    if one_micro_step and result.get("max_micro_batch_without_accumulation") is not None:
         answers.append(("max_micro_batch_without_accumulation", result["max_micro_batch_without_accumulation"], 1))
     rows = []
     for name, answer, micro_steps in answers:
