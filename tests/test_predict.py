@@ -307,3 +307,15 @@ def test_a_flat_timeline_without_raw_sizes_falls_back_and_the_plain_search_stops
     with pytest.raises(FlatMemoryError, match=r"batch 1 peaked at 2\.0 KiB and batch 1024 at 2\.0 KiB"):
         predicted_search(trial, device, cap=10**12, limit_bytes=10**6)  # type: ignore[arg-type]
     assert asked == [4, 2, 1, 8, 16, 32, 64, 128, 256, 512, 1024]
+
+
+def test_with_the_allocator_model_the_replayed_trace_predicts_the_reserved_answer_exactly() -> None:
+    """On the budget device with the CUDA allocator's model, the limit bites on reserved memory: the
+    two timeline trials' allocations, replayed through the model at each size, predict the answer of
+    both loops exactly (two more trials verify each), as counting live bytes does without it."""
+    request = ProbeRequest(target="gpt", device="cpu", memory=128 * MIB, headroom=0, allocator="cuda")
+    result = run_probe(request)
+    assert any(t.peak_reserved_bytes > t.peak_allocated_bytes for t in result.trials if t.peak_reserved_bytes)
+    for answer in result.answers:
+        assert answer.prediction is not None and answer.prediction.exact, answer
+        assert len([t for t in result.trials if t.micro_steps == answer.loop.micro_steps]) == 4

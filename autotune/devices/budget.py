@@ -33,6 +33,7 @@ exact; `peak_reserved_bytes` is the model's.
 
 from __future__ import annotations
 
+import copy
 import functools
 import weakref
 from collections.abc import Iterable, Iterator
@@ -304,6 +305,14 @@ class BudgetDevice:
             retries=stats.num_alloc_retries,
             device_allocations=stats.num_device_alloc,
         )
+
+    def allocator_snapshot(self) -> tuple[CachingAllocatorModel, dict[int, int]] | None:
+        """A copy of the allocator model and each live storage's block in it (None: exact counting),
+        for the predictor to replay a trial's allocations from where the trial began."""
+        counter = self._counter
+        if counter.allocator is None:
+            return None
+        return copy.deepcopy(counter.allocator), dict(counter.blocks)
 
     @contextmanager
     def record_timeline(self) -> Iterator[list[tuple[str, int | str, int]]]:

@@ -26,6 +26,7 @@ says how many), and reused when the verification asks for the same size.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autotune.devices.allocator import AllocatorOutOfMemory, CachingAllocatorModel
 from autotune.devices.budget import ROUNDING
 from autotune.devices.device import ProbeDevice
 from autotune.engine.search import (
@@ -71,6 +73,20 @@ class StorageLog:
 
 
 @dataclass(frozen=True)
+class AllocationTrace:
+    """The order of the storages' births and deaths in one trial, and the caching allocator's model
+    as the trial found it (the budget device's `AUTOTUNE_ALLOCATOR=cuda`): enough to replay the
+    trial's allocations at another batch size and see what the allocator reserves.
+
+    `order`: (0, serial) a storage of the trial born, (1, serial) it died, (2, key) a storage older
+    than the trial died; `blocks`: the model's block of each storage alive when the trial began."""
+
+    order: tuple[tuple[int, int], ...]
+    allocator: CachingAllocatorModel
+    blocks: dict[int, int]
+
+
+@dataclass(frozen=True)
 class Timeline:
     """Live bytes after every op of one trial at one batch size."""
 
@@ -78,10 +94,18 @@ class Timeline:
     ops: tuple[str, ...]
     live: tuple[int, ...]
     storages: StorageLog | None = None
+    trace: AllocationTrace | None = None
 
 
-def parse_events(batch: int, base: int, events: Sequence[Event]) -> Timeline:
-    """Turn the budget device's event list into a Timeline (see `BudgetDevice.record_timeline`)."""
+def parse_events(
+    batch: int,
+    base: int,
+    events: Sequence[Event],
+    allocator: tuple[CachingAllocatorModel, dict[int, int]] | None = None,
+) -> Timeline:
+    """Turn the budget device's event list into a Timeline (see `BudgetDevice.record_timeline`);
+    with the allocator model's state at the trial's start, its allocation trace too."""
+    order: list[tuple[int, int]] = []
     ops: list[str] = []
     live: list[int] = []
     born_at: list[int] = []
@@ -95,6 +119,7 @@ def parse_events(batch: int, base: int, events: Sequence[Event]) -> Timeline:
             live.append(value)
         elif kind == "born":
             serial_of[what] = len(born_at)
+            order.append((0, len(born_at)))
             born_at.append(len(ops))
             died_at.append(-1)
             nbytes.append(value)
@@ -102,10 +127,13 @@ def parse_events(batch: int, base: int, events: Sequence[Event]) -> Timeline:
             serial = serial_of.pop(what, None)
             if serial is None:
                 older.append((len(ops), value))
+                order.append((2, what))
             else:
                 died_at[serial] = len(ops)
+                order.append((1, serial))
     log = StorageLog(base, tuple(born_at), tuple(died_at), tuple(nbytes), tuple(older))
-    return Timeline(batch, tuple(ops), tuple(live), log)
+    trace = None if allocator is None else AllocationTrace(tuple(order), allocator[0], allocator[1])
+    return Timeline(batch, tuple(ops), tuple(live), log, trace)
 
 
 def same_ops(a: Timeline, b: Timeline) -> bool:
@@ -213,6 +241,53 @@ class StorageModel:
         return bool((self.nbytes_p != self.nbytes_q).any())
 
 
+@dataclass(frozen=True)
+class ReplayModel:
+    """The trial's allocations replayed through the caching allocator's model at batch B: each
+    storage at its size at B (as `StorageModel` scales it), born and freed in the order the trial
+    ran them, starting from the allocator as the trial found it. `peak(B)` is the reserved peak, or
+    one byte over the limit when the allocator model runs out (after freeing its cache and retrying,
+    as the real one does): the limit bites on reserved memory, not on the live bytes the other
+    models count."""
+
+    storage: StorageModel
+    trace: AllocationTrace
+    limit: int
+
+    @classmethod
+    def fit(cls, a: Timeline, b: Timeline, storage: StorageModel, limit: int) -> ReplayModel | None:
+        if a.trace is None or b.trace is None:
+            return None
+        kinds_a = [kind for kind, _ in a.trace.order]
+        kinds_b = [kind for kind, _ in b.trace.order]
+        if kinds_a != kinds_b:
+            return None
+        return cls(storage, a.trace, limit)
+
+    def peak(self, batch: int) -> int:
+        storage = self.storage
+        span = storage.q - storage.p
+        raw = -((-(storage.nbytes_p * span + (storage.nbytes_q - storage.nbytes_p) * (batch - storage.p))) // span)
+        sizes = np.maximum(raw, 0).tolist()
+        model = copy.deepcopy(self.trace.allocator)
+        older = dict(self.trace.blocks)
+        handles: dict[int, int] = {}
+        model.reset_peak()
+        try:
+            for kind, index in self.trace.order:
+                if kind == 0:
+                    handles[index] = model.malloc(sizes[index])
+                elif kind == 1:
+                    model.free(handles.pop(index))
+                else:
+                    block = older.pop(index, None)
+                    if block is not None:
+                        model.free(block)
+        except AllocatorOutOfMemory:
+            return self.limit + 1
+        return model.stats().peak_reserved_bytes
+
+
 def largest_fitting(model: CurveModel, limit: int, guess: int) -> int:
     """The largest B >= 1 with model.peak(B) <= limit (0 when none), found from `guess` with the
     same walk-and-bisect that verifies a guess on the device: the model is cheap to evaluate."""
@@ -246,7 +321,12 @@ def predict(a: Timeline, b: Timeline, limit: int, *, exact_storages: bool = True
         # Per-sample tensors of a few bytes: the live bytes, rounded to blocks, are the same at
         # both probes, but the raw sizes grow, and the storage model rounds them at any size.
         first = 1
-    return largest_fitting(storage, limit, first), storage
+    live = largest_fitting(storage, limit, first)
+    replay = ReplayModel.fit(a, b, storage, limit)
+    if replay is None:
+        return live, storage
+    # Reserved is at least allocated: the live-bytes answer bounds the replayed one from above.
+    return largest_fitting(replay, limit, max(live, 1)), replay
 
 
 def allocated_ratio(record: TrialRecord) -> float | None:
@@ -309,11 +389,12 @@ def recording(device: ProbeDevice) -> AbstractContextManager[list[Event]]:
 def record_trial(trial: TrialFn, device: ProbeDevice, batch: int) -> tuple[TrialRecord, Timeline | None]:
     """Run one trial while recording its timeline; no timeline when it ran out of memory."""
     base = device.live_bytes()
+    snapshot = getattr(device, "allocator_snapshot", lambda: None)()
     with recording(device) as events:
         record = trial(batch)
     if not record.fits:
         return record, None
-    timeline = parse_events(batch, base, events)
+    timeline = parse_events(batch, base, events, snapshot)
     if not any(kind in ("born", "died") for kind, _, _ in events):
         timeline = Timeline(batch, timeline.ops, timeline.live, None)
     return record, timeline
@@ -419,7 +500,7 @@ def predicted_search(
             reason = f"memory did not grow between batch {pair[0].batch} and {pair[1].batch}: nothing to extrapolate"
         else:
             predicted = on_grid(raw)
-            if caches_blocks(probes) and predicted >= granularity:
+            if caches_blocks(probes) and predicted >= granularity and not isinstance(model, ReplayModel):
                 # CUDA: the timeline counts allocated bytes, the cap applies to reserved ones, and
                 # their ratio at the small probes (mostly small-block segments and the cache) is
                 # not the ratio at the answer. One trial at the guess measures it where it matters.
