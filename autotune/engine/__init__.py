@@ -7,7 +7,8 @@ child and the fresh-process confirmation, and `estimate`.
     predict    two timeline trials predict the answer, two more verify it
     objective  the fastest fitting micro-batch for a plan (throughput)
     probe      a probe end to end: device, workload, search, plan, result
-    isolation  a probe in a fresh child interpreter with a hard timeout
+    isolation  a probe in a fresh child process with a hard timeout
+    zygote     the fork server a probe's processes come from (one torch import for all)
     confirm    each answer run again in a fresh process
     estimate   the answer for a memory size, computing nothing (fake tensors)
 

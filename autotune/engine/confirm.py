@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pydantic import BaseModel
 
 from autotune import errors
+from autotune.engine import zygote
 from autotune.engine.isolation import hold_interrupts
 from autotune.engine.search import search_from_guess
 from autotune.errors import NothingFitsError, ProbeError, ProbeTimeoutError
@@ -248,7 +249,6 @@ def run_fresh(job: FreshRunRequest, timeout: float, on_progress: ProgressCallbac
     workload may print on stdout): no file is written, so a full disk cannot fail a probe.
     `on_progress` hears the process start, then its micro-steps (phase "confirm", seconds since
     the process started), from a thread of its own."""
-    command = [sys.executable, "-m", "autotune.engine.confirm"]
     # The child must import autotune and the workload as this process does: its sys.path,
     # with the current directory made absolute.
     path = [os.path.abspath(p or os.curdir) for p in [*sys.path, ""]]
@@ -271,14 +271,13 @@ def run_fresh(job: FreshRunRequest, timeout: float, on_progress: ProgressCallbac
     reader = threading.Thread(target=_drain, args=(read_end, chunks, relay), daemon=True)
     release = hold_interrupts()  # until the child is in the `try` that ends it
     try:
-        child = subprocess.Popen(
-            [*command, str(write_end)],
+        child, _ = zygote.spawn(
+            ["autotune.engine.confirm", str(write_end)],
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             pass_fds=(write_end,),
-            start_new_session=True,  # Ctrl-C goes to the caller, which ends the child
         )
     except BaseException:
         os.close(read_end)
@@ -400,6 +399,18 @@ def probe_and_confirm(
     """Search (in an isolated child, or here), then confirm in fresh processes unless the
     request says not to. What the CLI, the service and the client's local fallback run.
     `on_progress` hears the micro-steps inside trials and confirmation runs (throttled)."""
+    with zygote.serving():
+        return _probe_and_confirm(request, timeout, in_process, on_trial, on_run, on_progress)
+
+
+def _probe_and_confirm(
+    request: ProbeRequest,
+    timeout: float,
+    in_process: bool,
+    on_trial: TrialCallback | None,
+    on_run: RunCallback | None,
+    on_progress: ProgressCallback | None,
+) -> ProbeResult:
     if in_process:
         from autotune.engine.probe import run_probe  # torch: the isolated path leaves it to the child
 

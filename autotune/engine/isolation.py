@@ -2,8 +2,10 @@
 
 A probe can take its process down: a segfault in a kernel, a sticky CUDA error that poisons the
 context, a workload that hangs or calls `os._exit`. So by default it runs in a child process, a
-**new interpreter** running our own entry point (`python -m autotune.engine.isolation`, with this
-process's `sys.path`), never a fork (the parent must not share, or ever initialize, a CUDA
+**process of its own** running our own entry point (`python -m autotune.engine.isolation`, with this
+process's `sys.path`): forked by the probe's fork server (`autotune.engine.zygote`, a new
+interpreter that imported torch once and never initializes CUDA) or, without one, a new
+interpreter; never a fork of the caller (which must not share, or ever initialize, a CUDA
 context) and never multiprocessing's spawn, which re-imports the caller's `__main__` and so
 fails in a script without an `if __name__ == "__main__":` guard. The request goes in on the
 child's stdin; the child streams its trials, then its result or error, back as JSON lines on a
@@ -35,6 +37,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from autotune import errors
+from autotune.engine import zygote
 
 if TYPE_CHECKING:
     from autotune.engine.probe import ProbeRequest, TrialCallback
@@ -44,7 +47,7 @@ if TYPE_CHECKING:
 WATCH_SECONDS = 1.0  # how often the child checks that its parent is still the one that started it
 _POLL_SECONDS = 0.5  # how often the caller looks at the child while no message arrives
 
-_live: set[subprocess.Popen[bytes]] = set()
+_live: set[subprocess.Popen[bytes] | zygote.Forked] = set()
 _live_lock = threading.Lock()
 
 
@@ -90,7 +93,7 @@ def hold_interrupts() -> Callable[[], None]:
     return release
 
 
-def _end(child: subprocess.Popen[bytes]) -> None:
+def _end(child: subprocess.Popen[bytes] | zygote.Forked) -> None:
     if child.poll() is None:
         child.kill()
     with contextlib.suppress(subprocess.TimeoutExpired):  # a process in uninterruptible sleep
@@ -128,12 +131,15 @@ def run_isolated(
     read_end, write_end = os.pipe()
     release = hold_interrupts()  # until the child is in the `try` that ends it
     try:
-        child = subprocess.Popen(
-            [sys.executable, "-m", "autotune.engine.isolation", str(write_end), str(os.getpid())],
+        # Its parent is the fork server when one serves this probe: the child watches that one.
+        parent = zygote.server_pid() or os.getpid()
+        child, _ = zygote.spawn(
+            ["autotune.engine.isolation", str(write_end), str(parent)],
             env=_child_env(),
             stdin=subprocess.PIPE,
+            stdout=None,
+            stderr=None,
             pass_fds=(write_end,),
-            start_new_session=True,  # Ctrl-C goes to the caller, which ends the child
         )
     except BaseException:
         os.close(read_end)

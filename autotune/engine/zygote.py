@@ -1,0 +1,414 @@
+"""Fresh processes without a fresh interpreter each: a fork server that has imported torch.
+
+A probe runs its search in a child process and each confirmation in another (`isolation`,
+`confirm`): a process of its own, whatever the workload does to it. Starting an interpreter and
+importing torch costs 2-3 s a process on a small machine, more than a small trial, and a probe
+started three or four. So `probe_and_confirm` starts one server for the probe (`python -m
+autotune.engine.zygote`, a new interpreter with the caller's `sys.path`), which imports torch and
+autotune's engine and then forks one child per run. A child is still a process of its own: its own
+address space, its own CUDA context and allocator (the server never initializes CUDA, which would
+make forking unsafe, and never imports a workload: the child does, as a new process would), its
+own session, stdin, stdout and stderr as the caller asked; it runs the same entry point
+(`python -m autotune.engine.isolation` / `confirm`) as a spawned interpreter would.
+
+`serving()` marks a probe's calls; `spawn` forks from its server (started at the first child) or,
+without one, starts an interpreter. A forked child is a `Forked`, which the callers use as they use
+a `subprocess.Popen`: pid, stdin, stderr, poll, wait, kill, communicate. The server sends each
+child's exit status back on its socket. It serves one child at a time (a probe's runs are
+sequential), exits when its stdin reaches end of file (the caller has gone, however it went) or
+its socket closes, and kills a child still running then, so no run outlives its caller. A server
+that cannot start, or dies, makes `spawn` start a new interpreter instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import IO, Any
+
+# What the server imports before it forks: what every child would import first.
+PRELOAD = ("torch", "autotune.engine.probe", "autotune.engine.confirm", "autotune.engine.isolation")
+_MAX_MESSAGE = 1 << 20
+
+
+# The caller's side ------------------------------------------------------------------------------
+class _Serving:
+    """A probe's claim on a server, started at its first child (a probe may need none)."""
+
+    def __init__(self) -> None:
+        self.thread = threading.current_thread()  # a probe's runs are sequential, in its thread
+        self.zygote: Zygote | None = None
+        self.failed = False
+
+    def get(self) -> Zygote | None:
+        if self.zygote is None and not self.failed:
+            self.zygote = Zygote._start()
+            self.failed = self.zygote is None
+        return self.zygote
+
+
+_current: list[_Serving] = []
+_current_lock = threading.Lock()
+
+
+def _serving_here() -> _Serving | None:
+    with _current_lock:
+        return next((s for s in _current if s.thread is threading.current_thread()), None)
+
+
+@contextlib.contextmanager
+def serving() -> Iterator[None]:
+    """Fork the probe's processes in the block from one server (one interpreter's start for all)."""
+    claim = _Serving()
+    with _current_lock:
+        _current.append(claim)
+    try:
+        yield
+    finally:
+        with _current_lock:
+            _current.remove(claim)
+        if claim.zygote is not None:
+            claim.zygote.close()
+
+
+def server_pid() -> int | None:
+    """The pid of the server that forks a child spawned now in this thread (None: none serves).
+    Starts the server when the probe has one and has not started it yet."""
+    claim = _serving_here()
+    zygote = None if claim is None else claim.get()
+    return None if zygote is None else zygote.pid
+
+
+def spawn(
+    args: Sequence[str],
+    *,
+    env: dict[str, str],
+    stdin: int | None,
+    stdout: int | None,
+    stderr: int | None,
+    pass_fds: Sequence[int] = (),
+) -> tuple[subprocess.Popen[bytes] | Forked, int]:
+    """`python -m args...` as a process of its own: forked by the probe's server when one serves
+    (in this thread), else a new interpreter. Returns the child and the pid of its parent."""
+    claim = _serving_here()
+    zygote = None if claim is None else claim.get()
+    if zygote is not None:
+        forked = zygote.spawn(args, env=env, stdin=stdin, stdout=stdout, stderr=stderr, pass_fds=pass_fds)
+        if forked is not None:
+            return forked, zygote.pid
+    child = subprocess.Popen(
+        [sys.executable, "-m", *args],
+        env=env,
+        stdin=stdin,
+        stdout=stdout,
+        stderr=stderr,
+        pass_fds=tuple(pass_fds),
+        start_new_session=True,  # Ctrl-C goes to the caller, which ends the child
+    )
+    return child, os.getpid()
+
+
+class Forked:
+    """A child forked by the server, with the parts of `subprocess.Popen` the callers use."""
+
+    def __init__(self, zygote: Zygote, pid: int, stdin: IO[bytes] | None, stderr: IO[bytes] | None) -> None:
+        self.pid, self.stdin, self.stderr = pid, stdin, stderr
+        self.returncode: int | None = None
+        self._zygote = zygote
+        self._reader: threading.Thread | None = None
+        self._errors: list[bytes] = []
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._zygote._exit_status(self.pid, 0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self._zygote._exit_status(self.pid, timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+        return self.returncode
+
+    def send_signal(self, number: int) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, number)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def communicate(self, input: bytes | None = None, timeout: float | None = None) -> tuple[None, bytes]:
+        """Write `input` to stdin and close it, read stderr to its end, wait for the exit (again
+        after a timeout: the same reader goes on)."""
+        if self._reader is None and self.stderr is not None:
+            stream, errors = self.stderr, self._errors
+            self._reader = threading.Thread(target=lambda: errors.append(stream.read()), daemon=True)
+            self._reader.start()
+        if self.stdin is not None and not self.stdin.closed:
+            with contextlib.suppress(BrokenPipeError):
+                if input:
+                    self.stdin.write(input)
+            with contextlib.suppress(BrokenPipeError):
+                self.stdin.close()
+        self.wait(timeout)
+        if self._reader is not None:
+            self._reader.join(timeout=10)
+            if not self._reader.is_alive() and self.stderr is not None:
+                self.stderr.close()
+        return None, b"".join(self._errors)
+
+
+class Zygote:
+    """The fork server of one probe (see `serving` and `spawn`)."""
+
+    def __init__(self, process: subprocess.Popen[bytes], sock: socket.socket) -> None:
+        self._process, self._sock = process, sock
+        self._lock = threading.Lock()
+        self._exits: dict[int, int] = {}
+        self._buffer = b""
+
+    @classmethod
+    def _start(cls) -> Zygote | None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        path = [os.path.abspath(p or os.curdir) for p in [*sys.path, ""]]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path))}
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "autotune.engine.zygote", str(theirs.fileno())],
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),),
+                start_new_session=True,  # Ctrl-C goes to the caller, which ends the server
+            )
+        except OSError:
+            ours.close()
+            return None
+        finally:
+            theirs.close()
+        return cls(process, ours)
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def close(self) -> None:
+        """End the server (it kills a child still running), and reap it."""
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        if self._process.stdin is not None:
+            with contextlib.suppress(OSError):
+                self._process.stdin.close()
+        try:
+            self._process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+
+    def spawn(
+        self,
+        args: Sequence[str],
+        *,
+        env: dict[str, str],
+        stdin: int | None,
+        stdout: int | None,
+        stderr: int | None,
+        pass_fds: Sequence[int] = (),
+    ) -> Forked | None:
+        """Fork `python -m MODULE ARGS...` (args[0] is the module) from the server, with stdin,
+        stdout and stderr each `subprocess.PIPE`, `subprocess.DEVNULL` or None (this process's) and
+        `pass_fds` at the same numbers in the child. None when the server is gone."""
+        ours: list[int] = []  # our ends of the pipes, given to the caller as files
+        theirs: list[int] = []  # the child's ends, sent to the server, then closed here
+        streams: list[int] = []
+        for target, mode in ((0, stdin), (1, stdout), (2, stderr)):
+            if mode == subprocess.PIPE:
+                read_end, write_end = os.pipe()
+                mine, child = (write_end, read_end) if target == 0 else (read_end, write_end)
+                ours.append(mine)
+                theirs.append(child)
+                streams.append(child)
+            elif mode == subprocess.DEVNULL:
+                fd = os.open(os.devnull, os.O_RDWR)
+                theirs.append(fd)
+                streams.append(fd)
+            else:
+                streams.append(target)
+        header = {"args": list(args), "cwd": os.getcwd(), "env": dict(env), "fds": [*range(3), *pass_fds]}
+        try:
+            with self._lock:
+                socket.send_fds(self._sock, [json.dumps(header).encode() + b"\n"], [*streams, *pass_fds])
+                pid = self._read_pid()
+        except OSError:
+            pid = None
+        finally:
+            for fd in theirs:
+                os.close(fd)
+        if pid is None:
+            for fd in ours:
+                os.close(fd)
+            return None
+        files = iter(ours)
+        child_stdin = os.fdopen(next(files), "wb") if stdin == subprocess.PIPE else None
+        if stdout == subprocess.PIPE:
+            os.close(next(files))  # nobody here reads a child's stdout
+        child_stderr = os.fdopen(next(files), "rb") if stderr == subprocess.PIPE else None
+        return Forked(self, pid, child_stdin, child_stderr)
+
+    def _message(self, timeout: float | None) -> dict[str, Any] | None:
+        """The server's next message, None at the timeout (or when it is gone)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([self._sock], [], [], remaining)
+            if not ready:
+                return None
+            chunk = self._sock.recv(65536)
+            if not chunk:
+                raise OSError("the fork server is gone")
+            self._buffer += chunk
+            if len(self._buffer) > _MAX_MESSAGE:
+                raise OSError("the fork server sent too much")
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        message: dict[str, Any] = json.loads(line)
+        return message
+
+    def _read_pid(self) -> int | None:
+        message = self._message(600.0)  # the first one waits for the server's imports
+        if message is None or "pid" not in message:
+            return None
+        return int(message["pid"])
+
+    def _exit_status(self, pid: int, timeout: float | None) -> int | None:
+        with self._lock:
+            if pid in self._exits:
+                return self._exits[pid]
+            try:
+                while True:
+                    message = self._message(timeout)
+                    if message is None:
+                        return None
+                    if "exit" in message:
+                        self._exits[int(message["pid"])] = int(message["exit"])
+                        if int(message["pid"]) == pid:
+                            return self._exits[pid]
+            except OSError:
+                return -signal.SIGKILL  # the server died: its child was killed with it
+
+
+# The server's side ------------------------------------------------------------------------------
+def _serve(sock: socket.socket) -> None:
+    child: list[int] = []
+    try:
+        _serve_until_closed(sock, child)
+    finally:
+        for pid in child:  # no run outlives the probe that started it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+
+
+def _serve_until_closed(sock: socket.socket, running: list[int]) -> None:
+    control = select.poll()
+    control.register(0, select.POLLIN)
+    control.register(sock.fileno(), select.POLLIN)
+    child: int | None = None
+    buffer = b""
+    while True:
+        for fd, _ in control.poll(100 if child is not None else None):
+            if fd == 0 and not os.read(0, 4096):  # the caller has gone, or closed us
+                return
+            if fd == sock.fileno():
+                data, fds, _, _ = socket.recv_fds(sock, 65536, 64)
+                if not data:
+                    return
+                buffer += data
+                if b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    child = _fork(json.loads(line), fds, sock)
+                    running[:] = [child]
+                    sock.sendall(json.dumps({"pid": child}).encode() + b"\n")
+        if child is not None:
+            done, status = os.waitpid(child, os.WNOHANG)
+            if done:
+                code = os.waitstatus_to_exitcode(status)
+                running.clear()
+                sock.sendall(json.dumps({"pid": child, "exit": code}).encode() + b"\n")
+                child = None
+
+
+def _fork(header: dict[str, Any], fds: list[int], sock: socket.socket) -> int:
+    pid = os.fork()
+    if pid:
+        for fd in fds:
+            os.close(fd)
+        return pid
+    code = 1
+    try:
+        sock.close()
+        os.setsid()
+        # The received descriptors, moved above every number the caller asked for, then placed there.
+        wanted: list[int] = header["fds"]
+        floor = max([*wanted, *fds]) + 1
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD, floor) for fd in fds]
+        for fd in fds:
+            os.close(fd)
+        for target, fd in zip(wanted, high, strict=True):
+            os.dup2(fd, target)
+        for fd in high:
+            os.close(fd)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.environ.clear()
+        os.environ.update(header["env"])
+        os.chdir(header["cwd"])
+        module, *args = header["args"]
+        sys.argv = [module, *args]
+        sys.stdin = os.fdopen(0, "r", closefd=False)
+        sys.stdout = os.fdopen(1, "w", closefd=False)
+        sys.stderr = os.fdopen(2, "w", closefd=False)
+        import runpy
+
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - the child's own error, printed as a spawned one would
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def main() -> None:
+    if len(sys.argv) != 2 or not sys.argv[1].isdigit():
+        sys.stderr.write("usage: python -m autotune.engine.zygote SOCKET_FD (autotune's own use)\n")
+        sys.exit(2)
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller ends us (stdin), not a terminal's Ctrl-C
+    _serve(socket.socket(fileno=int(sys.argv[1])))
+
+
+if __name__ == "__main__":
+    main()

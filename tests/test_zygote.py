@@ -1,0 +1,117 @@
+"""The fork server: a probe's processes forked from one interpreter that imported torch once, each
+still a process of its own, none outliving the caller."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from autotune.engine import zygote
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(args: list[str], env: dict[str, str], given: bytes = b"") -> tuple[dict[str, object], int, bytes]:
+    read_end, write_end = os.pipe()
+    child, parent = zygote.spawn(
+        ["tests.zygote_child", str(write_end), *args],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        pass_fds=(write_end,),
+    )
+    os.close(write_end)
+    _, stderr = child.communicate(given, timeout=120)
+    with os.fdopen(read_end) as answer:
+        said = json.loads(answer.read())
+    assert said["ppid"] == parent
+    return said, int(child.returncode or 0), stderr
+
+
+def test_children_of_one_probe_are_forked_from_one_server_that_imported_torch(tmp_path: Path) -> None:
+    env = {**os.environ, "ZYGOTE_TEST_MARKER": "first", "PYTHONPATH": str(ROOT)}
+    os.chdir(tmp_path)
+    try:
+        with zygote.serving():
+            first, code, stderr = _run(["3"], env, b"the request")
+            second, _, _ = _run(["0"], {**env, "ZYGOTE_TEST_MARKER": "second"})
+    finally:
+        os.chdir(ROOT)
+    assert code == 3 and stderr == b"said\n"
+    assert first["preloaded"] and second["preloaded"]  # torch came with the server
+    assert first["ppid"] == second["ppid"] != os.getpid()  # one server forked both
+    assert first["pid"] != second["pid"] and first["sid"] == first["pid"]  # each its own process and session
+    assert (first["marker"], second["marker"]) == ("first", "second")  # the environment of each call
+    assert first["stdin"] == "the request" and first["cwd"] == str(tmp_path)
+
+
+def test_without_a_server_a_child_is_a_new_interpreter() -> None:
+    said, code, _ = _run(["0"], {**os.environ, "PYTHONPATH": str(ROOT)})
+    assert code == 0 and said["ppid"] == os.getpid() and not said["preloaded"]
+
+
+def test_a_killed_child_reports_its_signal() -> None:
+    read_end, write_end = os.pipe()
+    with zygote.serving():
+        child, _ = zygote.spawn(
+            ["tests.zygote_child", str(write_end), "sleep"],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            pass_fds=(write_end,),
+        )
+        os.close(write_end)
+        with pytest.raises(subprocess.TimeoutExpired):
+            child.communicate(b"", timeout=0.5)
+        child.kill()
+        child.communicate()
+    os.close(read_end)
+    assert child.returncode == -signal.SIGKILL
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_the_server_and_its_child_die_with_the_caller() -> None:
+    """kill -9 of the probe's process: its server sees its stdin end, kills the child and exits."""
+    script = (
+        "import json, os, subprocess, sys, time\n"
+        "from autotune.engine import zygote\n"
+        "read_end, write_end = os.pipe()\n"
+        "with zygote.serving():\n"
+        "    child, server = zygote.spawn(['tests.zygote_child', str(write_end), 'sleep'], env=dict(os.environ),\n"
+        "        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=None, pass_fds=(write_end,))\n"
+        "    child.stdin.close()\n"
+        "    said = json.loads(os.fdopen(read_end).readline())\n"
+        "    print(json.dumps([server, said['pid']]), flush=True)\n"
+        "    time.sleep(3600)\n"
+    )
+    caller = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+    )
+    assert caller.stdout is not None
+    server, child = json.loads(caller.stdout.readline())
+    caller.kill()
+    caller.wait()
+    caller.stdout.close()
+    deadline = time.monotonic() + 30
+    while not (_gone(server) and _gone(child)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(server) and _gone(child)
