@@ -83,6 +83,12 @@ class ProbeRequest(BaseModel):
         description="The caching allocator's settings, as PYTORCH_CUDA_ALLOC_CONF (expandable_segments:True, "
         "max_split_size_mb:N): the budget device's model takes them; on CUDA the probe's processes run with them.",
     )
+    compare_allocator_config: str | None = Field(
+        default=None,
+        max_length=200,
+        description="Probe again with these caching-allocator settings (PYTORCH_CUDA_ALLOC_CONF's syntax, e.g. "
+        "expandable_segments:True), unconfirmed, and say by how much the answers differ.",
+    )
     parallel: Literal["none", "ddp", "fsdp"] = Field(
         default="none",
         description="ddp: the model in DistributedDataParallel; fsdp: FSDP2 over world_size ranks, rank 0 simulated.",

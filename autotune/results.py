@@ -343,6 +343,15 @@ class RunFailure(BaseModel):
     reported_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
 
 
+class AllocatorComparison(BaseModel):
+    """The same probe with other caching-allocator settings (unconfirmed): what they change."""
+
+    allocator_config: str = Field(description="The settings compared, as PYTORCH_CUDA_ALLOC_CONF.")
+    max_micro_batch: int | None
+    max_micro_batch_without_accumulation: int | None
+    trials: int = Field(ge=0, description="Trials the second probe ran.")
+
+
 class ProbeResult(BaseModel):
     """Everything a probe found. Stored by `fingerprint`; `max_micro_batch` is the answer."""
 
@@ -389,6 +398,9 @@ class ProbeResult(BaseModel):
     trials: list[TrialRecord]
     plan: Plan | None = None
     allocator_config: str | None = None
+    allocator_comparison: AllocatorComparison | None = Field(
+        default=None, description="With compare_allocator_config: the answers under those settings."
+    )
     notes: list[str] = Field(
         default_factory=list,
         description="What the probe did beyond the search, in words: an answer searched again, and why.",

@@ -246,6 +246,20 @@ ROWS: list[tuple[tuple[str, ...], dict[str, str], int, tuple[str, ...]]] = [
     ((*PROBE, "--world-size", "4", "--parallel", "ddp"), {}, 2, ("--world-size 4", "DDP rank's answer")),
     ((*PROBE, "--policy", "exact"), {}, 2, ("--policy exact", "no --effective-batch is given")),
     ((*PROBE, "--start-batch", "64", "--search", "predict"), {}, 2, ("--start-batch 64", "--search plain")),
+    # the caching allocator's flags (issue 21)
+    ((*PROBE, "--allocator", "gpu"), {}, 2, ("--allocator 'gpu' is not one of exact, cuda",)),
+    ((*PROBE, "--allocator-config", "expandable_segments:maybe"), {}, 2, ("--allocator-config 'expandable_segments",)),
+    ((*PROBE, "--allocator-config", "nonsense:1", "--allocator", "cuda"), {}, 2, ("--allocator-config", "nonsense")),
+    (
+        (*PROBE, "--allocator", "exact", "--allocator-config", "expandable_segments:True"),
+        {},
+        2,
+        ("use --allocator cuda",),
+    ),
+    ((*PROBE, "--compare-allocator-config", "expandable_segments:True"), {}, 2, ("add --allocator cuda",)),
+    ((*PROBE, "--max-steps", "0"), {}, 2, ("--max-steps",)),
+    (("probe", "mlp", "--device", "cuda:0", "--allocator", "cuda"), {}, 2, ("drop --allocator",)),
+    ((*PROBE,), {"AUTOTUNE_ALLOCATOR": "gpu"}, 2, ("AUTOTUNE_ALLOCATOR",)),
     # issue 12: estimate (in this process: fake trials, a second each)
     (
         ("estimate", "tests.guard_workloads:flat", "--memory", "1GiB"),

@@ -197,3 +197,20 @@ def test_a_probe_refuses_a_size_that_thrashes(monkeypatch: pytest.MonkeyPatch) -
     thrashed = [t for t in result.trials if t.batch >= 24]
     assert thrashed and all(not t.fits and t.failure == "thrashing" for t in thrashed)
     assert all(t.fits and t.steps == SETTLE_MIN_STEPS for t in result.trials if t.batch < 24)
+
+
+def test_the_same_probe_under_other_allocator_settings_says_what_they_change() -> None:
+    from autotune.engine.confirm import probe_and_confirm
+
+    other = "expandable_segments:True"
+    request = ProbeRequest(
+        target="mlp", device="cpu", memory=64 * MIB, headroom=0, allocator="cuda", compare_allocator_config=other
+    )
+    result = probe_and_confirm(request.model_copy(update={"confirm": False}), timeout=600, in_process=True)
+    compared = result.allocator_comparison
+    assert compared is not None and compared.allocator_config == other and compared.trials >= 4
+    assert result.allocator_config is not None and "no expandable segments" in result.allocator_config
+    direct = run_probe(request.model_copy(update={"allocator_config": other, "compare_allocator_config": None}))
+    assert direct.allocator_config is not None and "expandable_segments:True" in direct.allocator_config
+    got = (compared.max_micro_batch, compared.max_micro_batch_without_accumulation)
+    assert got == (direct.max_micro_batch, direct.max_micro_batch_without_accumulation)

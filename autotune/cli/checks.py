@@ -79,8 +79,9 @@ def headroom_flag(flag: str, text: str | None) -> float | int | None:
         raise ConfigError(f"{flag}: {exc}") from None
 
 
-def allocator_config_flag(text: str | None) -> str | None:
-    """--allocator-config, checked by the rules of PYTORCH_CUDA_ALLOC_CONF's keys that autotune models."""
+def allocator_config_flag(text: str | None, flag: str = "--allocator-config") -> str | None:
+    """--allocator-config (or `flag`), checked by the rules of PYTORCH_CUDA_ALLOC_CONF's keys that
+    autotune models."""
     if text is None:
         return None
     from autotune.devices.allocator import AllocatorConfig  # pure Python, no torch
@@ -88,7 +89,7 @@ def allocator_config_flag(text: str | None) -> str | None:
     try:
         AllocatorConfig.parse(text)
     except ValueError as exc:
-        raise ConfigError(f"--allocator-config {text!r}: {exc}") from None
+        raise ConfigError(f"{flag} {text!r}: {exc}") from None
     return text
 
 
@@ -184,6 +185,14 @@ def check_ignored_flags(fields: dict[str, Any], timeout: float | None, in_proces
         raise ConfigError(
             f"--allocator {fields['allocator']} chooses how the cpu budget device counts memory, and this probe runs "
             "on CUDA, whose own caching allocator is measured: drop --allocator (--allocator-config sets its settings)"
+        )
+    from autotune.settings import allocator_mode
+
+    modelled = (fields["allocator"] or allocator_mode()) == "cuda"
+    if fields["compare_allocator_config"] is not None and not modelled and on_budget_device(fields["device"]):
+        raise ConfigError(
+            "--compare-allocator-config compares caching-allocator settings, and the cpu budget device counts "
+            "exactly unless modelling one: add --allocator cuda, or probe on CUDA"
         )
     if fields["allocator"] == "exact" and fields["allocator_config"] is not None:
         raise ConfigError(

@@ -176,6 +176,14 @@ AllocatorOption = Annotated[
         "allocator: reserved memory, fragmentation, retries).  " + default_note("AUTOTUNE_ALLOCATOR, exact"),
     ),
 ]
+CompareAllocatorOption = Annotated[
+    str | None,
+    typer.Option(
+        metavar="CONF",
+        help="Probe again with these caching-allocator settings (e.g. expandable_segments:True), unconfirmed, and "
+        "say by how much the answers differ (on CUDA, or the budget device with --allocator cuda).",
+    ),
+]
 AllocatorConfigOption = Annotated[
     str | None,
     typer.Option(

@@ -33,6 +33,7 @@ from autotune.cli.options import (
     AllocatorConfigOption,
     AllocatorOption,
     BudgetOption,
+    CompareAllocatorOption,
     ConfirmOption,
     ConfirmStepsOption,
     DeviceOption,
@@ -103,6 +104,7 @@ def probe(
     max_steps: MaxStepsOption = 10,
     allocator: AllocatorOption = None,
     allocator_config: AllocatorConfigOption = None,
+    compare_allocator_config: CompareAllocatorOption = None,
     parallel: ParallelOption = "none",
     reshard_after_forward: ReshardOption = True,
 ) -> None:
@@ -187,6 +189,7 @@ def _request_fields(flags: dict[str, Any]) -> dict[str, Any]:
         parallel=choice(flags["parallel"], ("none", "ddp", "fsdp"), "--parallel"),
         allocator=choice(flags["allocator"], ("exact", "cuda"), "--allocator"),
         allocator_config=allocator_config_flag(flags["allocator_config"]),
+        compare_allocator_config=allocator_config_flag(flags["compare_allocator_config"], "--compare-allocator-config"),
         **{
             name: flags[name]
             for name in (

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from autotune.engine.estimate import EstimateResult
     from autotune.plans.mixed import MixedPlan
     from autotune.plans.plan import Plan
-    from autotune.results import ProbeResult, TrialRecord
+    from autotune.results import AllocatorComparison, ProbeResult, TrialRecord
 
 
 def trial_table(trials: list[TrialRecord], title: str) -> Table:
@@ -118,6 +118,9 @@ def print_summary(result: ProbeResult) -> None:
     out.print(
         f"  {len(result.trials)} trials in {result.duration_seconds:.1f} s; fingerprint {result.fingerprint[:16]}"
     )
+    compared = result.allocator_comparison
+    if compared is not None:
+        out.print(f"  {escape(_comparison_words(result, compared))}", highlight=False)
     for note in result.notes:
         out.print(f"  [yellow]searched again:[/] {escape(note)}")
     for line in _prediction_lines(result):
@@ -127,6 +130,23 @@ def print_summary(result: ProbeResult) -> None:
     if result.plan is not None:
         for line in plan_lines(result.plan):
             out.print(line)
+
+
+def _comparison_words(result: ProbeResult, compared: AllocatorComparison) -> str:
+    """`with expandable_segments:True instead (unconfirmed): 32 / 32 (+2 / +3)`."""
+
+    def change(theirs: int | None, ours: int | None) -> str:
+        if theirs is None or ours is None:
+            return "n/a"
+        return "same" if theirs == ours else f"{theirs - ours:+d}"
+
+    ours = (result.max_micro_batch, result.max_micro_batch_without_accumulation)
+    theirs = (compared.max_micro_batch, compared.max_micro_batch_without_accumulation)
+    return (
+        f"with {compared.allocator_config} instead (unconfirmed, {compared.trials} trials): "
+        f"{theirs[0]} / {theirs[1]} (accumulating / one micro-step; "
+        f"{change(theirs[0], ours[0])} / {change(theirs[1], ours[1])})"
+    )
 
 
 def breakdown_lines(result: ProbeResult) -> list[str]:

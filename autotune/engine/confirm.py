@@ -400,7 +400,32 @@ def probe_and_confirm(
     request says not to. What the CLI, the service and the client's local fallback run.
     `on_progress` hears the micro-steps inside trials and confirmation runs (throttled)."""
     with zygote.serving():
-        return _probe_and_confirm(request, timeout, in_process, on_trial, on_run, on_progress)
+        result = _probe_and_confirm(request, timeout, in_process, on_trial, on_run, on_progress)
+        if request.compare_allocator_config is not None:
+            result = _compared(result, request, timeout, in_process)
+        return result
+
+
+def _compared(result: ProbeResult, request: ProbeRequest, timeout: float, in_process: bool) -> ProbeResult:
+    """`result` with the answers of the same probe under the compared allocator settings: a second
+    search, unconfirmed (its process starts with those settings; on the budget device, its model)."""
+    from autotune.results import AllocatorComparison
+
+    other = request.model_copy(
+        update={
+            "allocator_config": request.compare_allocator_config,
+            "compare_allocator_config": None,
+            "confirm": False,
+        }
+    )
+    compared = _probe_and_confirm(other, timeout, in_process, None, None, None)
+    comparison = AllocatorComparison(
+        allocator_config=request.compare_allocator_config or "",
+        max_micro_batch=compared.max_micro_batch,
+        max_micro_batch_without_accumulation=compared.max_micro_batch_without_accumulation,
+        trials=len(compared.trials),
+    )
+    return result.model_copy(update={"allocator_comparison": comparison})
 
 
 def _probe_and_confirm(
