@@ -20,8 +20,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from autotune.engine.probe import parse_device
 from autotune.errors import ConfigError, DeviceError
+from autotune.request import parse_device
 from autotune.workloads.probekey import DeviceKey
 
 log = logging.getLogger(__name__)

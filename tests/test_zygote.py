@@ -115,3 +115,20 @@ def test_the_server_and_its_child_die_with_the_caller() -> None:
     while not (_gone(server) and _gone(child)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _gone(server) and _gone(child)
+
+
+def test_a_long_environment_reaches_the_child() -> None:
+    """A request longer than one socket read (a cluster's environment of 100 KB) keeps its pipes."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ZYGOTE_TEST_PADDING": "x" * 100_000, "ZYGOTE_TEST_MARKER": "long"}
+    with zygote.serving():
+        said, code, _ = _run(["0"], env)
+    assert code == 0 and said["preloaded"] and said["marker"] == "long"
+
+
+def test_when_the_server_dies_the_next_child_is_a_new_interpreter() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with zygote.serving():
+        first, _, _ = _run(["0"], env)
+        os.kill(int(first["ppid"]), signal.SIGKILL)  # the server
+        second, code, _ = _run(["0"], env)
+    assert code == 0 and second["ppid"] == os.getpid() and not second["preloaded"]

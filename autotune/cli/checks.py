@@ -188,6 +188,11 @@ def check_ignored_flags(fields: dict[str, Any], timeout: float | None, in_proces
         )
     from autotune.settings import allocator_mode
 
+    if fields["compare_allocator_config"] is not None and in_process and not on_budget_device(fields["device"]):
+        raise ConfigError(
+            "--compare-allocator-config on CUDA probes again in a process started with those settings, and "
+            "--in-process runs in this one, whose CUDA has its own already: drop --in-process"
+        )
     modelled = (fields["allocator"] or allocator_mode()) == "cuda"
     if fields["compare_allocator_config"] is not None and not modelled and on_budget_device(fields["device"]):
         raise ConfigError(

@@ -33,6 +33,7 @@ exact; `peak_reserved_bytes` is the model's.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import weakref
@@ -85,6 +86,10 @@ class _Counter:
         self.allocator: CachingAllocatorModel | None = None
         self.blocks: dict[int, int] = {}
         self.refused: AllocatorOutOfMemory | None = None
+        # A garbage collection inside a model call can run a storage's weakref callback, which
+        # must not re-enter the model: its frees wait here until the call returns.
+        self.busy = False
+        self.deferred: list[int] = []
 
     def add(self, storage: torch.UntypedStorage) -> int | None:
         """Count `storage` at its current size; return what it was counted at before (None: new).
@@ -124,17 +129,40 @@ class _Counter:
         """Allocate a storage's (new) size in the allocator model, freeing its old block first
         (a resize is a free and a new allocation there too). False when the model ran out."""
         assert self.allocator is not None
+        model = self.allocator
         previous = self.blocks.pop(key, None)
-        if previous is not None:
-            self.allocator.free(previous)
+        self.busy = True
         try:
-            self.blocks[key] = self.allocator.malloc(nbytes)
-        except AllocatorOutOfMemory as exc:
-            if old:  # the storage keeps its old size in the counter: give it its block back
-                self.blocks[key] = self.allocator.malloc(old)
-            self.refused = exc
-            return False
-        return True
+            if previous is not None:
+                model.free(previous)
+            try:
+                self.blocks[key] = model.malloc(nbytes)
+            except AllocatorOutOfMemory as exc:
+                if old:  # the storage keeps its old size in the counter: give it its block back
+                    with contextlib.suppress(AllocatorOutOfMemory):
+                        self.blocks[key] = model.malloc(old)
+                self.refused = exc
+                return False
+            return True
+        finally:
+            self.busy = False
+            self._free_deferred()
+
+    def _free_block(self, block: int) -> None:
+        if self.busy:
+            self.deferred.append(block)
+            return
+        assert self.allocator is not None
+        self.busy = True
+        try:
+            self.allocator.free(block)
+        finally:
+            self.busy = False
+        self._free_deferred()
+
+    def _free_deferred(self) -> None:
+        while self.deferred and not self.busy:
+            self._free_block(self.deferred.pop())
 
     def new_peak(self) -> None:
         self.peak = self.live
@@ -166,9 +194,10 @@ class _Counter:
         if old is None:
             self._forget(key, size)
         else:
-            if self.allocator is not None:
-                self.allocator.free(self.blocks.pop(key))
-                self.blocks[key] = self.allocator.malloc(old)
+            if self.allocator is not None:  # its old size back in the model (never a new refusal)
+                refused = self.refused
+                self._place(key, old, None)
+                self.refused = refused
             self.sizes[key] = old
             self.live -= size - old
             role = self.roles.get(key)
@@ -192,7 +221,7 @@ class _Counter:
         if self.allocator is not None:
             block = self.blocks.pop(key, None)
             if block is not None:
-                self.allocator.free(block)
+                self._free_block(block)
         self.sizes.pop(key, None)
         self.refs.pop(key, None)
         self.born.pop(key, None)

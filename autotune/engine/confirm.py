@@ -418,7 +418,11 @@ def _compared(result: ProbeResult, request: ProbeRequest, timeout: float, in_pro
             "confirm": False,
         }
     )
-    compared = _probe_and_confirm(other, timeout, in_process, None, None, None)
+    try:
+        compared = _probe_and_confirm(other, timeout, in_process, None, None, None)
+    except errors.AutotuneError as exc:  # the result stands; the comparison says why it has none
+        note = f"the probe with {request.compare_allocator_config} did not answer, so there is no comparison: {exc}"
+        return result.model_copy(update={"notes": [*result.notes, note]})
     comparison = AllocatorComparison(
         allocator_config=request.compare_allocator_config or "",
         max_micro_batch=compared.max_micro_batch,

@@ -131,10 +131,10 @@ def run_isolated(
     read_end, write_end = os.pipe()
     release = hold_interrupts()  # until the child is in the `try` that ends it
     try:
-        # Its parent is the fork server when one serves this probe: the child watches that one.
-        parent = zygote.server_pid() or os.getpid()
+        # PARENT_PID 0: the child watches the parent it finds at its start (the fork server that
+        # forked it, or this process when none could).
         child, _ = zygote.spawn(
-            ["autotune.engine.isolation", str(write_end), str(parent)],
+            ["autotune.engine.isolation", str(write_end), "0"],
             env=_child_env(),
             stdin=subprocess.PIPE,
             stdout=None,
@@ -223,6 +223,7 @@ def _watch_parent(control: int, parent_pid: int) -> None:
 
 
 def _child(answer_fd: int, parent_pid: int) -> None:
+    parent_pid = parent_pid or os.getppid()  # 0: the parent this process started under
     # The request is one line on stdin; the rest of stdin is the parent watch's, and the workload
     # reads /dev/null as it would under a spawned process.
     control = os.dup(0)

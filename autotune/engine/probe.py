@@ -314,7 +314,15 @@ def _consistent(
     cap = single.max_micro_batch
     if accumulating.max_micro_batch is None or cap is None or accumulating.max_micro_batch <= cap or single.capped:
         return None
-    redo = search_from_guess(trial, cap, cap=cap, granularity=request.granularity, limit_bytes=limit_bytes)
+    try:
+        redo = search_from_guess(trial, cap, cap=cap, granularity=request.granularity, limit_bytes=limit_bytes)
+    except NothingFitsError as exc:
+        answer = accumulating.model_copy(update={"max_micro_batch": None, "capped": False, "reason": str(exc)})
+        note = (
+            f"the accumulating loop first answered {accumulating.max_micro_batch}, above the one-micro-step answer "
+            f"{cap}; searched again at or below {cap}, no size fits with accumulation"
+        )
+        return answer, [], note
     answer = accumulating.model_copy(update={"max_micro_batch": redo.max_micro_batch, "capped": False})
     note = (
         f"the accumulating loop first answered {accumulating.max_micro_batch}, above the one-micro-step answer {cap}, "

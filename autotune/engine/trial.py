@@ -267,7 +267,8 @@ class TrialRunner:
         """The most optimizer steps a trial of `loop` may run."""
         if self.device.allocator_state() is None:
             return loop.steps
-        return max(loop.steps, SETTLE_MIN_STEPS, self.max_steps)
+        # Two steps past the asked ones: a run of 20 steps (a confirmation) may still settle.
+        return max(loop.steps + 2, SETTLE_MIN_STEPS, self.max_steps)
 
     def settled(self, loop: LoopShape) -> bool:
         """Whether the running trial has reached the allocator's steady state."""

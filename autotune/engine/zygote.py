@@ -81,14 +81,6 @@ def serving() -> Iterator[None]:
             claim.zygote.close()
 
 
-def server_pid() -> int | None:
-    """The pid of the server that forks a child spawned now in this thread (None: none serves).
-    Starts the server when the probe has one and has not started it yet."""
-    claim = _serving_here()
-    zygote = None if claim is None else claim.get()
-    return None if zygote is None else zygote.pid
-
-
 def spawn(
     args: Sequence[str],
     *,
@@ -255,6 +247,10 @@ class Zygote:
                 pid = self._read_pid()
         except OSError:
             pid = None
+        except BaseException:
+            for fd in ours:
+                os.close(fd)
+            raise
         finally:
             for fd in theirs:
                 os.close(fd)
@@ -272,10 +268,11 @@ class Zygote:
     def _message(self, timeout: float | None) -> dict[str, Any] | None:
         """The server's next message, None at the timeout (or when it is gone)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        waiting = select.poll()  # not select(): a busy process's descriptors can pass FD_SETSIZE
+        waiting.register(self._sock.fileno(), select.POLLIN)
         while b"\n" not in self._buffer:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, _, _ = select.select([self._sock], [], [], remaining)
-            if not ready:
+            if not waiting.poll(None if remaining is None else remaining * 1000):
                 return None
             chunk = self._sock.recv(65536)
             if not chunk:
@@ -288,10 +285,13 @@ class Zygote:
         return message
 
     def _read_pid(self) -> int | None:
-        message = self._message(600.0)  # the first one waits for the server's imports
-        if message is None or "pid" not in message:
-            return None
-        return int(message["pid"])
+        while True:
+            message = self._message(600.0)  # the first one waits for the server's imports
+            if message is None or "pid" not in message:
+                return None
+            if "exit" not in message:
+                return int(message["pid"])
+            self._exits[int(message["pid"])] = int(message["exit"])  # an earlier child's end
 
     def _exit_status(self, pid: int, timeout: float | None) -> int | None:
         with self._lock:
@@ -307,7 +307,10 @@ class Zygote:
                         if int(message["pid"]) == pid:
                             return self._exits[pid]
             except OSError:
-                return -signal.SIGKILL  # the server died: its child was killed with it
+                # The server died: its child dies too (its parent-death signal), and here for sure.
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+                return -signal.SIGKILL
 
 
 # The server's side ------------------------------------------------------------------------------
@@ -327,10 +330,10 @@ def _serve_until_closed(sock: socket.socket, running: list[int]) -> None:
     control = select.poll()
     control.register(0, select.POLLIN)
     control.register(sock.fileno(), select.POLLIN)
-    child: int | None = None
     buffer = b""
+    received: list[int] = []  # a long request arrives in pieces; its descriptors with the first
     while True:
-        for fd, _ in control.poll(100 if child is not None else None):
+        for fd, _ in control.poll(100 if running else None):
             if fd == 0 and not os.read(0, 4096):  # the caller has gone, or closed us
                 return
             if fd == sock.fileno():
@@ -338,18 +341,19 @@ def _serve_until_closed(sock: socket.socket, running: list[int]) -> None:
                 if not data:
                     return
                 buffer += data
-                if b"\n" in buffer:
+                received += fds
+                while b"\n" in buffer:
                     line, buffer = buffer.split(b"\n", 1)
-                    child = _fork(json.loads(line), fds, sock)
-                    running[:] = [child]
+                    child = _fork(json.loads(line), received, sock)
+                    received = []
+                    running.append(child)
                     sock.sendall(json.dumps({"pid": child}).encode() + b"\n")
-        if child is not None:
+        for child in list(running):
             done, status = os.waitpid(child, os.WNOHANG)
             if done:
+                running.remove(child)
                 code = os.waitstatus_to_exitcode(status)
-                running.clear()
                 sock.sendall(json.dumps({"pid": child, "exit": code}).encode() + b"\n")
-                child = None
 
 
 def _fork(header: dict[str, Any], fds: list[int], sock: socket.socket) -> int:
@@ -362,6 +366,7 @@ def _fork(header: dict[str, Any], fds: list[int], sock: socket.socket) -> int:
     try:
         sock.close()
         os.setsid()
+        _die_with_parent()
         # The received descriptors, moved above every number the caller asked for, then placed there.
         wanted: list[int] = header["fds"]
         floor = max([*wanted, *fds]) + 1
@@ -372,7 +377,7 @@ def _fork(header: dict[str, Any], fds: list[int], sock: socket.socket) -> int:
             os.dup2(fd, target)
         for fd in high:
             os.close(fd)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a new interpreter
         os.environ.clear()
         os.environ.update(header["env"])
         os.chdir(header["cwd"])
@@ -383,10 +388,15 @@ def _fork(header: dict[str, Any], fds: list[int], sock: socket.socket) -> int:
         sys.stderr = os.fdopen(2, "w", closefd=False)
         import runpy
 
+        # Run as `python -m` runs it: a fresh __main__, not the copy the server imported.
+        sys.modules.pop(module, None)
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, int | None):  # sys.exit("why"): Python prints the why
+            with contextlib.suppress(Exception):
+                sys.stderr.write(f"{exc.code}\n")
     except BaseException:  # noqa: BLE001 - the child's own error, printed as a spawned one would
         import traceback
 
@@ -396,6 +406,16 @@ def _fork(header: dict[str, Any], fds: list[int], sock: socket.socket) -> int:
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this child when the server dies (Linux's PR_SET_PDEATHSIG), however it dies."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 def main() -> None:
