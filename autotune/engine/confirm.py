@@ -249,10 +249,7 @@ def run_fresh(job: FreshRunRequest, timeout: float, on_progress: ProgressCallbac
     workload may print on stdout): no file is written, so a full disk cannot fail a probe.
     `on_progress` hears the process start, then its micro-steps (phase "confirm", seconds since
     the process started), from a thread of its own."""
-    # The child must import autotune and the workload as this process does: its sys.path,
-    # with the current directory made absolute.
-    path = [os.path.abspath(p or os.curdir) for p in [*sys.path, ""]]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path))}
+    env = zygote.child_env()
     read_end, write_end = os.pipe()
     chunks: list[bytes] = []
     launched = time.monotonic()

@@ -52,13 +52,6 @@ _live_lock = threading.Lock()
 
 
 # The caller's side ------------------------------------------------------------------------------
-def _child_env() -> dict[str, str]:
-    # The child must import autotune and the workload as this process does: its sys.path, with
-    # the current directory made absolute.
-    path = [os.path.abspath(p or os.curdir) for p in [*sys.path, ""]]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path))}
-
-
 def _kill_live_children() -> None:
     # At a normal exit of the caller (an exception or a signal in another thread left a probe
     # running): end the children now rather than a second later by their own watch.
@@ -135,7 +128,7 @@ def run_isolated(
         # forked it, or this process when none could).
         child, _ = zygote.spawn(
             ["autotune.engine.isolation", str(write_end), "0"],
-            env=_child_env(),
+            env=zygote.child_env(),
             stdin=subprocess.PIPE,
             stdout=None,
             stderr=None,

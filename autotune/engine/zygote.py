@@ -42,6 +42,14 @@ _MAX_MESSAGE = 1 << 20
 
 
 # The caller's side ------------------------------------------------------------------------------
+def child_env() -> dict[str, str]:
+    """The environment of a probe's child: this one, with this process's `sys.path` (the current
+    directory made absolute) as PYTHONPATH, so the child imports autotune and the workload as this
+    process does."""
+    path = [os.path.abspath(p or os.curdir) for p in [*sys.path, ""]]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path))}
+
+
 class _Serving:
     """A probe's claim on a server, started at its first child (a probe may need none)."""
 
@@ -176,8 +184,7 @@ class Zygote:
     @classmethod
     def _start(cls) -> Zygote | None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        path = [os.path.abspath(p or os.curdir) for p in [*sys.path, ""]]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path))}
+        env = child_env()
         try:
             process = subprocess.Popen(
                 [sys.executable, "-m", "autotune.engine.zygote", str(theirs.fileno())],
