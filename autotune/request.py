@@ -28,6 +28,9 @@ OptionValue = str | int | float | bool
 TrialCallback = Callable[[TrialRecord], None]
 
 
+CUDA_CONFIRM_STEPS = 20  # a confirmation run's optimizer steps on CUDA, unless asked otherwise
+
+
 class ProbeRequest(BaseModel):
     """What to probe and how. Sizes accept strings like "24GiB"; headroom 0.05, "5%" or "2GiB"."""
 
@@ -94,6 +97,14 @@ class ProbeRequest(BaseModel):
         description="ddp: the model in DistributedDataParallel; fsdp: FSDP2 over world_size ranks, rank 0 simulated.",
     )
     reshard_after_forward: bool = Field(default=True, description="FSDP: free gathered parameters after forward.")
+
+    def confirmation_steps(self, device_kind: str) -> int:
+        """The optimizer steps of each confirmation run: `confirm_steps`, else 20 on CUDA (the
+        caching allocator's blocks kept moving until step 3 or 4 of independent H100 runs whose
+        first two steps fitted) and the trials' own on the budget device."""
+        if self.confirm_steps is not None:
+            return self.confirm_steps
+        return CUDA_CONFIRM_STEPS if device_kind == "cuda" else self.steps
 
     def parallel_spec(self) -> ParallelSpec:
         return parallel_spec(self.parallel, self.world_size, self.reshard_after_forward)

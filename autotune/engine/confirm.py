@@ -45,21 +45,10 @@ CONFIRM_MICRO_STEPS = 3
 # Checks: each answer and the plan once, and again after a step-down lowers one (at most two
 # lowerings per loop kind can change what the plan runs); more is a bug.
 MAX_CHECKS = 8
-# On CUDA each fresh-process run trains this many optimizer steps at least: the caching allocator's
-# blocks kept moving until step 3 or 4 of independent H100 runs whose first two steps fitted.
-CUDA_CONFIRM_STEPS = 20
-
-
-def confirm_steps(request: ProbeRequest, device_kind: str) -> int:
-    """The optimizer steps of each confirmation run: the request's, else 20 on CUDA and the
-    trials' own on the budget device (its exact counting is the same from step 2 on)."""
-    if request.confirm_steps is not None:
-        return request.confirm_steps
-    return CUDA_CONFIRM_STEPS if device_kind == "cuda" else request.steps
 
 
 def _resolved(request: ProbeRequest, result: ProbeResult) -> ProbeRequest:
-    return request.model_copy(update={"confirm_steps": confirm_steps(request, result.device.kind)})
+    return request.model_copy(update={"confirm_steps": request.confirmation_steps(result.device.kind)})
 
 
 RunCallback = Callable[[TrialRecord], None]
@@ -80,7 +69,7 @@ class FreshRunRequest(BaseModel):
 
 # Deciding what to confirm (pure) ---------------------------------------------------------------
 def _loop(micro_steps: int, request: ProbeRequest) -> LoopShape:
-    return LoopShape(micro_steps=micro_steps, steps=confirm_steps(request, "cpu-budget"), prefetch=request.prefetch)
+    return LoopShape(micro_steps=micro_steps, steps=request.confirmation_steps("cpu-budget"), prefetch=request.prefetch)
 
 
 def checks_for(result: ProbeResult, request: ProbeRequest) -> list[tuple[str, int, LoopShape]]:
@@ -182,7 +171,7 @@ def confirm_answers(
     confirmation = Confirmation(
         status="stepped-down" if stepped else "passed",
         passed=not stepped,
-        steps=confirm_steps(request, result.device.kind),
+        steps=request.confirmation_steps(result.device.kind),
         checks=checks,
         seconds=time.perf_counter() - started,
         note=note,
@@ -215,7 +204,7 @@ def skipped(result: ProbeResult, request: ProbeRequest) -> ProbeResult:
     confirmation = Confirmation(
         status="skipped",
         passed=False,
-        steps=confirm_steps(request, result.device.kind),
+        steps=request.confirmation_steps(result.device.kind),
         note="unconfirmed (--no-confirm): the answer was not run again in a fresh process",
     )
     return result.model_copy(update={"confirmation": confirmation})
@@ -249,7 +238,6 @@ def run_fresh(job: FreshRunRequest, timeout: float, on_progress: ProgressCallbac
     workload may print on stdout): no file is written, so a full disk cannot fail a probe.
     `on_progress` hears the process start, then its micro-steps (phase "confirm", seconds since
     the process started), from a thread of its own."""
-    env = zygote.child_env()
     read_end, write_end = os.pipe()
     chunks: list[bytes] = []
     launched = time.monotonic()
@@ -270,7 +258,6 @@ def run_fresh(job: FreshRunRequest, timeout: float, on_progress: ProgressCallbac
     try:
         child, _ = zygote.spawn(
             ["autotune.engine.confirm", str(write_end)],
-            env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,

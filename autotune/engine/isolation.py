@@ -128,7 +128,6 @@ def run_isolated(
         # forked it, or this process when none could).
         child, _ = zygote.spawn(
             ["autotune.engine.isolation", str(write_end), "0"],
-            env=zygote.child_env(),
             stdin=subprocess.PIPE,
             stdout=None,
             stderr=None,

@@ -417,8 +417,9 @@ def probe_workload(
         "not confirmed in a fresh process: live objects are probed in this one (every trial restored the "
         "model); on a GPU, run `autotune probe module:workload` for that confirmation"
     )
-    steps = request.confirm_steps if request.confirm_steps is not None else request.steps
-    confirmation = Confirmation(status="skipped", passed=False, steps=steps, note=note)
+    confirmation = Confirmation(
+        status="skipped", passed=False, steps=request.confirmation_steps(result.device.kind), note=note
+    )
     return result.model_copy(update={"confirmation": confirmation})
 
 

@@ -86,6 +86,9 @@ class TrialRunner:
         `on_progress`: told as each micro-step begins (`micro_step`), for a person to watch."""
         self.loop = LoopShape(micro_steps=micro_steps, steps=steps, prefetch=prefetch)
         self.max_steps = max_steps
+        # Whether the device has a caching allocator to settle: asked once (on CUDA each question
+        # is a memory_stats() call, and step_budget is asked at every micro-step).
+        self.settles = device.allocator_state() is not None
         self.states: list[AllocatorState] = []  # the allocator after each step of the running trial
         self.steps_run = 0
         self.workload = workload
@@ -265,7 +268,7 @@ class TrialRunner:
     # allocator (the budget device's exact counting, identical from step 2 on) runs `loop.steps`.
     def step_budget(self, loop: LoopShape) -> int:
         """The most optimizer steps a trial of `loop` may run."""
-        if self.device.allocator_state() is None:
+        if not self.settles:
             return loop.steps
         # Two steps past the asked ones: a run of 20 steps (a confirmation) may still settle.
         return max(loop.steps + 2, SETTLE_MIN_STEPS, self.max_steps)

@@ -92,14 +92,16 @@ def serving() -> Iterator[None]:
 def spawn(
     args: Sequence[str],
     *,
-    env: dict[str, str],
+    env: dict[str, str] | None = None,
     stdin: int | None,
     stdout: int | None,
     stderr: int | None,
     pass_fds: Sequence[int] = (),
 ) -> tuple[subprocess.Popen[bytes] | Forked, int]:
     """`python -m args...` as a process of its own: forked by the probe's server when one serves
-    (in this thread), else a new interpreter. Returns the child and the pid of its parent."""
+    (in this thread), else a new interpreter, with `env` (default: `child_env()`). Returns the child
+    and the pid of its parent."""
+    env = child_env() if env is None else env
     claim = _serving_here()
     zygote = None if claim is None else claim.get()
     if zygote is not None:
