@@ -33,13 +33,14 @@ from __future__ import annotations
 import array
 import logging
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from autotune.errors import AutotuneError, ConfigError, DoubleScalingError, RunOutOfMemoryError
+from autotune.plans.batches import PlanWindow, count_samples, plan_windows_of, split_batch
 from autotune.plans.plan import Plan
 
 _log = logging.getLogger("autotune")
@@ -84,22 +85,6 @@ def _check(counts: Sequence[int], total: int | None, world_size: int) -> int:
     if total < local:
         raise ConfigError(f"window total {total} is less than this rank's own total {local}")
     return total
-
-
-def count_samples(batch: object) -> int:
-    """The default count: the first dimension of the batch, or of the first element of a tuple,
-    list or dict batch (what the default collate makes of `(x, y)` or `{"input_ids": ...}`)."""
-    shape = getattr(batch, "shape", None)
-    if shape is not None and len(shape) >= 1:
-        return int(shape[0])
-    if isinstance(batch, Mapping) and batch:
-        return count_samples(next(iter(batch.values())))
-    if isinstance(batch, tuple | list) and batch:
-        return count_samples(batch[0])
-    raise ConfigError(
-        f"cannot count the samples of a {type(batch).__name__} micro-batch: "
-        "pass count=, a function returning its number of samples (or tokens)"
-    )
 
 
 def _to_count(value: object) -> int:
@@ -156,6 +141,9 @@ class MicroStep(Generic[B]):
     total: int  # samples or tokens in the whole window (over all ranks with AcrossRanks)
     weight: float  # multiply a mean loss by this
     sum_weight: float  # multiply a summed loss by this
+    # The window holds fewer samples than the plan's (the end of the data): its optimizer step sees
+    # a smaller effective batch. Only known when `accumulate` was given a Plan.
+    short: bool = False
 
     @property
     def should_step(self) -> bool:
@@ -197,6 +185,23 @@ def _windows(batches: Iterable[B], size: int) -> Iterator[list[B]]:
         yield window
 
 
+def _plan_windows(batches: Iterable[B], steps: Plan | int) -> Iterator[PlanWindow]:
+    """A plan's windows cut from whatever the loader yields; with a bare step count, its batches as they come."""
+    if isinstance(steps, Plan):
+        for window in plan_windows_of(batches, steps):
+            if window.short:
+                _log.info(
+                    "autotune: the last window holds %d samples of the plan's %d per rank (the end of the data): "
+                    "its optimizer step sees a smaller effective batch",
+                    window.samples,
+                    sum(steps.micro_batches),
+                )
+            yield window
+        return
+    for grouped in _windows(batches, _window_size(steps)):
+        yield PlanWindow(grouped, 0, False)
+
+
 def accumulate(
     batches: Iterable[B],
     steps: Plan | int,
@@ -204,14 +209,20 @@ def accumulate(
     count: Callable[[B], int | torch.Tensor] | None = None,
     ranks: AcrossRanks | None = None,
 ) -> Iterator[MicroStep[B]]:
-    """Yield a `MicroStep` per micro-batch, windows of `steps` micro-batches (a plan's accumulation steps).
+    """Yield a `MicroStep` per micro-batch, window after window: one window per optimizer step.
+
+    With a Plan, the windows are the plan's micro-batches whatever batch size the loader has:
+    the batches are read as one stream of samples and cut (or joined) to the plan's sizes, so
+    every optimizer step sees exactly the plan's effective batch; the last window of the data
+    may be short (`step.short`). A batch that cannot be cut is refused with the fix
+    (`PlanBatchSampler`). With a bare number of steps, `steps` batches make a window as they come.
 
     `count(batch)` says how many units the loss averages over: samples by default (the first
     dimension), tokens for token-weighted losses (e.g. `lambda b: b["mask"].sum()`). A window's
     micro-batches are read before its first micro-step is yielded, to know the window's total.
     """
-    for number, window in enumerate(_windows(batches, _window_size(steps))):
-        yield from accumulate_window(number, window, count=count, ranks=ranks)
+    for number, window in enumerate(_plan_windows(batches, steps)):
+        yield from accumulate_window(number, window.batches, count=count, ranks=ranks, short=window.short)
 
 
 # The OOM guard ---------------------------------------------------------------------------------
@@ -226,34 +237,6 @@ class ShrinkEvent:
     micro_steps: int = 1  # micro-steps of the attempt that failed: more than 1 means gradients were alive
     # Under DDP: whether this rank ran out of memory (False: another rank did, and this one shrinks with it).
     ran_out: bool = True
-
-
-def split_batch(batch: B, size: int) -> list[B]:
-    """Cut a micro-batch into pieces of at most `size` samples along the first dimension.
-
-    Tensors (and anything with `.shape` and slicing) are cut; tuples, lists and mappings are cut
-    element by element (what the default collate makes of `(x, y)` or `{"input_ids": ...}`);
-    other values are repeated in every piece. The pieces are views: cutting allocates nothing."""
-    n = count_samples(batch)
-    return [_slice(batch, start, min(start + size, n), n) for start in range(0, n, size)]
-
-
-def _slice(value: Any, start: int, stop: int, n: int) -> Any:
-    shape = getattr(value, "shape", None)
-    if shape is not None and len(shape) >= 1 and shape[0] == n:
-        return value[start:stop]
-    if isinstance(value, Mapping):
-        sliced = {k: _slice(v, start, stop, n) for k, v in value.items()}
-        kind: Any = type(value)
-        try:
-            return kind(sliced)
-        except TypeError:
-            return sliced
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*(_slice(v, start, stop, n) for v in value))
-    if isinstance(value, tuple | list):
-        return type(value)(_slice(v, start, stop, n) for v in value)
-    return value
 
 
 class OOMGuard:
@@ -308,9 +291,10 @@ class OOMGuard:
         self._resolved = False
 
     def windows(self, batches: Iterable[B], steps: Plan | int) -> Iterator[GuardedWindow[B]]:
-        """One `GuardedWindow` per optimizer step: `steps` micro-batches of `batches` each."""
-        for number, window in enumerate(_windows(batches, _window_size(steps))):
-            yield GuardedWindow(self, number, window)
+        """One `GuardedWindow` per optimizer step: the plan's micro-batches (cut from whatever the loader
+        yields, as `accumulate` does), or `steps` batches as they come."""
+        for number, window in enumerate(_plan_windows(batches, steps)):
+            yield GuardedWindow(self, number, window.batches)
 
     def _ranks(self) -> _RankAgreement | None:
         """How this guard agrees across ranks, or None in a single process (decided at the first window)."""
@@ -665,6 +649,7 @@ def accumulate_window(
     count: Callable[[B], int | torch.Tensor] | None = None,
     ranks: AcrossRanks | None = None,
     total: int | None = None,
+    short: bool = False,
 ) -> Iterator[MicroStep[B]]:
     """The micro-steps of one window (what `accumulate` yields for it); `total`, when known, is
     the window's total (over ranks), which cutting the window into pieces does not change."""
@@ -686,6 +671,7 @@ def accumulate_window(
             total=total,
             weight=weight,
             sum_weight=per_unit,
+            short=short,
         )
 
 
