@@ -31,6 +31,7 @@ from autotune.plans.accumulate import (
     mean_loss_weights,
     sum_loss_weight,
 )
+from tests.docs_text import section
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 11
@@ -370,9 +371,7 @@ def test_the_readme_example_runs_and_learns() -> None:
     assert losses[-1] < 0.05 * losses[0]
 
     # The README shows the example file itself, so what readers copy is what runs here.
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## Gradient accumulation in your training loop", 1)[1]
-    block = re.search(r"```python\n(.*?)```", section, re.DOTALL)
+    block = re.search(r"```python\n(.*?)```", section("README.md", "Using the plan in your training loop"), re.DOTALL)
     assert block is not None
     source = example.read_text(encoding="utf-8")
     assert block.group(1) in source

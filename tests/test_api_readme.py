@@ -1,6 +1,6 @@
 """The README's "The service" section, run as written: the curl session against a real server,
-then the client in a training loop against a restarted one, the workloads file and the table of
-AUTOTUNE_* variables.
+then the client in a training loop against a restarted one; and docs/service.md's workloads file
+and table of AUTOTUNE_* variables.
 
 The session runs as one bash script. Two things are changed, and only these: port 8000 becomes a
 free port, and /tmp/autotune.db a temporary file; a final `wait` lets the server finish its
@@ -19,16 +19,16 @@ import pytest
 
 from autotune.settings import Settings
 from autotune.workloads.registry import load_registry
+from tests.docs_text import blocks, page, section
 from tests.serving import ROOT, free_port, metric, start_server
 
-SECTION = re.search(r"^## The service\n(.*?)(?=^## )", (ROOT / "README.md").read_text(), re.S | re.M)
-assert SECTION, "README has no section 'The service'"
-TEXT = SECTION.group(1)
+TEXT = section("README.md", "The service")
+SERVICE = page("docs/service.md")
 TOKEN = "change-me"
 
 
-def _blocks(kind: str) -> list[str]:
-    return re.findall(rf"```{kind}\n(.*?)```", TEXT, re.S)
+def _blocks(kind: str, text: str = TEXT) -> list[str]:
+    return blocks(text, kind)
 
 
 def _session() -> tuple[list[str], list[str]]:
@@ -77,7 +77,7 @@ def test_the_curl_session_then_the_client_in_a_training_loop(tmp_path: Path) -> 
 
 
 def test_the_workloads_file_example_registers(tmp_path: Path) -> None:
-    (toml,) = _blocks("toml")
+    (toml,) = _blocks("toml", SERVICE)
     path = tmp_path / "workloads.toml"
     path.write_text(toml)
     registry = load_registry(path)
@@ -93,4 +93,4 @@ def test_the_workloads_file_example_registers(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", sorted(Settings.model_fields))
 def test_every_setting_is_in_the_table(name: str) -> None:
-    assert f"| `AUTOTUNE_{name.upper()}` |" in TEXT
+    assert f"| `AUTOTUNE_{name.upper()}` |" in SERVICE

@@ -5,11 +5,11 @@ is a fresh interpreter running autotune's own entry point: the script is never i
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
+from tests.docs_text import blocks, section
 from tests.serving import ROOT, free_port
 
 # What the job's "gpt" probes: a small MLP capped at 16, so that the local probe and its
@@ -23,10 +23,7 @@ max_batch = 16
 
 
 def _snippet() -> str:
-    text = (ROOT / "README.md").read_text()
-    section = re.search(r"^### The client in a training loop\n(.*?)(?=^#+ )", text, re.S | re.M)
-    assert section, "README has no section 'The client in a training loop'"
-    (snippet,) = re.findall(r"```python\n(.*?)```", section.group(1), re.S)
+    (snippet,) = blocks(section("README.md", "The client in a training loop"), "python")
     return str(snippet)
 
 

@@ -1,5 +1,5 @@
 """The CUDA allocator model on the budget device, end to end (issue: the whole run on a GPU, as CI
-can see it): the README's command under AUTOTUNE_ALLOCATOR=cuda, then `bench/cuda_truth.py`'s own
+can see it): docs/probing.md's command under AUTOTUNE_ALLOCATOR=cuda, then `bench/cuda_truth.py`'s own
 plain loop in fresh processes at the answers and one more."""
 
 from __future__ import annotations

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import shlex
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from autotune.engine.estimate import CUDA_OVERHEAD_BYTES, EstimateResult, estima
 from autotune.engine.probe import ProbeRequest, run_probe
 from autotune.errors import ConfigError, WorkloadError
 from autotune.workloads.workload import Workload
+from tests.docs_text import console_commands, page
 
 MIB = 2**20
 AUTOTUNE = str(Path(sys.executable).parent / "autotune")
@@ -109,12 +109,8 @@ def test_the_cli_prints_an_estimate_and_json() -> None:
     assert "predicted peak memory" in text.stdout
 
 
-def test_the_readme_estimate_commands_run_as_written() -> None:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = re.search(r"^## Estimating without a GPU\n(.*?)(?=^## )", readme, re.S | re.M)
-    assert section, "README has no estimate section"
-    blocks = re.findall(r"```console\n(.*?)```", section.group(1), re.S)
-    commands = [line[2:] for block in blocks for line in block.splitlines() if line.startswith("$ ")]
+def test_the_docs_estimate_commands_run_as_written() -> None:
+    commands = console_commands(page("docs/estimate.md"))
     assert commands and all(c.startswith("autotune estimate ") for c in commands)
     for command in commands:
         args = shlex.split(command)[1:]
@@ -122,15 +118,15 @@ def test_the_readme_estimate_commands_run_as_written() -> None:
         assert proc.returncode == 0, f"{command}: {proc.stderr}"
 
 
-def test_the_readme_estimate_table_reproduces() -> None:
-    """The README's estimate column is `autotune estimate NAME --memory 79.2GiB [--precision P]`
+def test_the_docs_estimate_table_reproduces() -> None:
+    """docs/estimate.md's estimate column is `autotune estimate NAME --memory 79.2GiB [--precision P]`
     (fake tensors: the same on any machine with this torch); the probe column is an H100
     measurement, and the last column their ratio. Each row is estimated again here (about 7 s)."""
     from autotune.units import parse_size
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    text = page("docs/estimate.md")
     header = "| workload | probe on the H100 | `autotune estimate --memory 79.2GiB` | estimate vs probe |"
-    table = readme[readme.index(header) :].split("\n\n")[0].splitlines()[2:]
+    table = text[text.index(header) :].split("\n\n")[0].splitlines()[2:]
     assert len(table) == 5
     for line in table:
         workload, probed, estimated, ratio = (cell.strip() for cell in line.strip("|").split("|"))

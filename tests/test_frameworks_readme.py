@@ -1,4 +1,4 @@
-"""The README's framework examples: each block is the autotune code of a script in examples/, at most
+"""docs/frameworks.md's framework examples: each block is the autotune code of a script in examples/, at most
 three lines of it, and the script runs (on the CPU budget device, as a user without a GPU would)."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.docs_text import page
+
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text(encoding="utf-8")
-SECTION = re.search(r"^## Frameworks: bring the job as it is\n(.*?)(?=^## )", README, re.S | re.M)
-assert SECTION, "README has no Frameworks section"
+TEXT = page("docs/frameworks.md")
 # (script, what the framework needs, its budget, what its last line prints)
 EXAMPLES = {
     "examples/trainer_autotune.py": ("transformers", "8MiB", r"\[8, 8, 8, 8, 8, 8, 8, 8\] 3"),
@@ -26,7 +26,7 @@ EXAMPLES = {
 
 def _blocks_for(script: str) -> list[str]:
     """The python blocks that follow the paragraph naming `script`, up to the next script's."""
-    text = SECTION.group(1)
+    text = TEXT
     start = text.index(f"(`{script}`)")
     following = [text.find(f"(`{other}`)", start + 1) for other in EXAMPLES if other != script]
     end = min([i for i in following if i > start] or [len(text)])
@@ -34,9 +34,9 @@ def _blocks_for(script: str) -> list[str]:
 
 
 @pytest.mark.parametrize("script", list(EXAMPLES))
-def test_each_readme_block_is_three_autotune_lines_of_its_script(script: str) -> None:
+def test_each_docs_block_is_three_autotune_lines_of_its_script(script: str) -> None:
     blocks = _blocks_for(script)
-    assert blocks, f"the README shows no code for {script}"
+    assert blocks, f"docs/frameworks.md shows no code for {script}"
     code = (ROOT / script).read_text(encoding="utf-8")
     lines = [line for line in blocks[0].splitlines() if line.strip()]
     assert len(lines) <= 3, lines

@@ -114,7 +114,7 @@ def test_autotune_accumulate_refuses_accelerates_accumulation() -> None:
 
 
 def test_one_accelerator_step_and_autotune_accumulate_make_a_ragged_window_exact() -> None:
-    """The README's way: Accelerator(gradient_accumulation_steps=1), PlanBatchSampler, step.scale."""
+    """docs/frameworks.md's way: Accelerator(gradient_accumulation_steps=1), PlanBatchSampler, step.scale."""
     accelerator = accelerate.Accelerator(cpu=True)
     data = Rows(50)
     made = plan(25, 7)  # fewest-steps: [7, 6, 6, 6] per window; 50 samples = 2 windows

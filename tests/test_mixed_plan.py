@@ -1,12 +1,11 @@
 """One plan across GPU types (issue 13 item 5): the arithmetic (hypothesis), the gradient it gives
 (ranks simulated in one process, DDP's average over ranks done by hand), `autotune plan --group`,
-the README's example, and `POST /v1/plan/mixed` in-process with stored results per GPU model."""
+docs/accumulation.md's example, and `POST /v1/plan/mixed` in-process with stored results per GPU model."""
 
 from __future__ import annotations
 
 import asyncio
 import math
-import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -26,11 +25,10 @@ from autotune.plans.mixed import Group, MixedPlan, Mode, mixed_arithmetic, mixed
 from autotune.plans.plan import Policy, plan
 from autotune.settings import Settings
 from autotune.units import headroom_bytes
+from tests.docs_text import blocks, section
 from tests.nvml_standin import FakeGpu, FakeNvml
 from tests.serving import make_result
 
-ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
 WORLD = [Group("H100-80GB", 4, 64), Group("A100-40GB", 4, 24)]
 
 
@@ -226,16 +224,14 @@ def test_the_command_prints_what_each_rank_runs(autotune: Callable[..., tuple[in
     assert code == 0, stderr  # a name with colons: the last two fields are the numbers
 
 
-def _readme_session() -> tuple[list[str], list[str]]:
-    section = re.search(r"^### Mixed GPU types\n(.*?)(?=^##)", README, re.S | re.M)
-    assert section, "README has no subsection 'Mixed GPU types'"
-    (block,) = re.findall(r"```console\n(.*?)```", section.group(1), re.S)
+def _docs_session() -> tuple[list[str], list[str]]:
+    (block,) = blocks(section("docs/accumulation.md", "Mixed GPU types"), "console")
     lines = block.splitlines()
     return [line[2:] for line in lines if line.startswith("$ ")], [line for line in lines if not line.startswith("$ ")]
 
 
-def test_the_readme_example_prints_what_it_shows(autotune: Callable[..., tuple[int, str, str]]) -> None:
-    commands, shown = _readme_session()
+def test_the_docs_example_prints_what_it_shows(autotune: Callable[..., tuple[int, str, str]]) -> None:
+    commands, shown = _docs_session()
     printed = ""
     for command in commands:
         args = command.split()
@@ -244,7 +240,7 @@ def test_the_readme_example_prints_what_it_shows(autotune: Callable[..., tuple[i
         assert code == 0, stderr
         printed += stdout
     for line in shown:
-        assert line in printed, f"{line!r} (README) not in the output:\n{printed}"
+        assert line in printed, f"{line!r} (docs/accumulation.md) not in the output:\n{printed}"
 
 
 # The service ------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from torch import nn
 from autotune.devices.budget import BudgetDevice
 from autotune.errors import RunOutOfMemoryError
 from autotune.plans.accumulate import OOMGuard, ShrinkEvent, accumulate, split_batch
+from tests.docs_text import page
 
 # Wide hidden layer, few inputs: activations dominate, so halving the micro-batch saves memory.
 WIDTH = 2048
@@ -162,7 +163,7 @@ def test_split_batch_cuts_tensors_tuples_and_mappings_into_views() -> None:
     assert pieces[0]["x"].untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
 
 
-def test_the_readme_example_shrinks_once_and_finishes(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_docs_example_shrinks_once_and_finishes(capsys: pytest.CaptureFixture[str]) -> None:
     import re
     import runpy
     from pathlib import Path
@@ -172,8 +173,8 @@ def test_the_readme_example_shrinks_once_and_finishes(capsys: pytest.CaptureFixt
     namespace = runpy.run_path(str(example))
     assert namespace["guard"].micro_batch_limit == 32
     assert "window 0: 64 -> 32" in capsys.readouterr().out
-    readme = (root / "README.md").read_text(encoding="utf-8")
-    block = re.search(r"```python\n(.*?)```", readme.split("`OOMGuard`.**", 1)[1], re.DOTALL)
+    text = page("docs/accumulation.md")
+    block = re.search(r"```python\n(.*?)```", text.split("`OOMGuard`.**", 1)[1], re.DOTALL)
     assert block is not None and block.group(1) in example.read_text(encoding="utf-8")
 
 

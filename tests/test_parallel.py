@@ -19,17 +19,16 @@ import torch.distributed as dist
 
 from autotune.engine.probe import ProbeRequest, run_probe
 from autotune.results import ProbeResult
+from tests.docs_text import page, prose
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {"target": "gpt", "device": "cpu", "memory": "128MiB", "headroom": 0, "confirm": False}
 
 
 def _readme_command() -> list[str]:
-    """The README's `--parallel fsdp` command: its 4-rank case is this command's answer."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Parallel jobs") : readme.index("## Estimating without a GPU")]
-    line = re.search(r"```console\n\$ (autotune probe .*)\n```", section)
-    assert line, "the README's parallel section has no probe command"
+    """docs/parallel.md's `--parallel fsdp` command: its 4-rank case is this command's answer."""
+    line = re.search(r"```console\n\$ (autotune probe .*)\n```", page("docs/parallel.md"))
+    assert line, "docs/parallel.md has no probe command"
     return shlex.split(line.group(1))
 
 
@@ -76,12 +75,12 @@ def test_each_setup_answers_exactly_for_its_loop_and_is_keyed_apart(results: dic
     assert ddp.max_micro_batch <= none.max_micro_batch < fsdp2.max_micro_batch <= fsdp4.max_micro_batch
     assert len({r.fingerprint for r in results.values()}) == 4
     assert fsdp4.workload.parallel.strategy == "fsdp" and fsdp4.workload.parallel.world_size == 4
-    # What the README says its command answers.
-    readme = " ".join((ROOT / "README.md").read_text().split())
+    # What docs/parallel.md says its command answers.
+    text = prose(page("docs/parallel.md"))
     setup = json.dumps(fsdp4.workload.parallel.model_dump())
     answer = fsdp4.max_micro_batch
-    assert f"answers {answer} per rank (`max_micro_batch`; `workload.parallel` is `{setup}`)" in readme
-    assert f"the real 4-rank job at {answer} and at {answer + 1}." in readme
+    assert f"answers {answer} per rank (`max_micro_batch`; `workload.parallel` is `{setup}`)" in text
+    assert f"the real 4-rank job at {answer} and at {answer + 1}." in text
     # What a rank holds of the model: a quarter of its parameters (rows padded to divide by 4).
     assert none.breakdown is not None and fsdp4.breakdown is not None
     assert abs(fsdp4.breakdown.parameters - none.breakdown.parameters / 4) < none.breakdown.parameters * 0.01

@@ -10,7 +10,6 @@ import re
 import sys
 import textwrap
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -21,6 +20,7 @@ from autotune.errors import ConfigError, WorkloadError
 from autotune.results import LoopShape, ParallelSpec, ProbeResult
 from autotune.workloads.probekey import DeviceKey, key_for_request, key_from_result
 from autotune.workloads.registry import register
+from tests.docs_text import page
 
 JOB = """
 import torch
@@ -79,10 +79,8 @@ BASE = {"device": "cpu", "memory": "24MiB", "headroom": 0, "confirm": False, "pa
 
 
 def _readme_shard_function() -> str:
-    """The README's example of a job's own sharding function (its `def shard_model`)."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("## Parallel jobs", 1)[1].split("\n## ", 1)[0]
-    (block,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    """docs/parallel.md's example of a job's own sharding function (its `def shard_model`)."""
+    (block,) = re.findall(r"```python\n(.*?)```", page("docs/parallel.md"), re.S)
     return block[block.index("def shard_model") : block.index("\nworkload =")]
 
 

@@ -1,7 +1,9 @@
-"""The README's commands, run as written: the quick start, probing, and installing with your own torch.
+"""The README's and docs/ pages' commands, run as written: the quick start, probing, and installing
+with your own torch; and the pages themselves: the README short, every relative link alive, and
+every command of every page run by some test.
 
-Commands are the `$ ` lines of ```console blocks. Sections owned by other test modules (the
-service's curl session, Docker) are run there.
+Commands are the `$ ` lines of ```console blocks. Pages owned by other test modules (the service's
+curl session, estimates, parallel jobs, mixed plans) are run there; `COMMANDS_RUN_BY` says where.
 """
 
 from __future__ import annotations
@@ -16,24 +18,19 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
+from tests.docs_text import ROOT, console_commands, headings, page, pages, prose, section
+
 BIN = Path(sys.executable).parent
 
-
-def _section(title: str) -> str:
-    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## )", README, re.S | re.M)
-    assert match, f"README has no section {title!r}"
-    return match.group(1)
-
-
-def _commands(text: str) -> list[str]:
-    blocks = re.findall(r"```console\n(.*?)```", text, re.S)
-    return [line[2:].strip() for block in blocks for line in block.splitlines() if line.startswith("$ ")]
-
-
-QUICK_START = _commands(_section("Quick start"))
-PROBING = _commands(_section("Probing"))
+QUICK_START = console_commands(section("README.md", "Quick start"))
+# The README's first probe is docs/cli.md's too: run once.
+PROBING = list(
+    dict.fromkeys(
+        console_commands(section("README.md", "Defining a workload"))
+        + console_commands(section("docs/cli.md", "autotune probe"))
+        + console_commands(page("docs/probing.md"))
+    )
+)
 
 
 def test_quick_start_is_exactly_two_make_commands_and_ci_runs_one() -> None:
@@ -62,12 +59,12 @@ def test_probing_commands_run(command: str) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     if args[1] == "plan":  # "The plan" quotes what this command prints
-        printed = re.search(r"`autotune plan` prints `([^`]+)`", " ".join(README.split()))
+        printed = re.search(r"`autotune plan` prints `([^`]+)`", prose(page("docs/accumulation.md")))
         assert printed and printed.group(1) in proc.stdout, proc.stdout
 
 
 def test_own_torch_install_keeps_the_torch_it_finds(tmp_path: Path) -> None:
-    commands = _commands(_section("Quick start"))[2:]
+    commands = QUICK_START[2:]
     assert commands and "torch==2.13.0" in commands[0]
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     for name in tracked.splitlines():
@@ -89,3 +86,81 @@ def test_own_torch_install_keeps_the_torch_it_finds(tmp_path: Path) -> None:
         [str(tmp_path / ".venv/bin/pip"), "list"], capture_output=True, text=True, check=True, env=env
     ).stdout
     assert "nvidia-cublas" not in listed.lower(), "CUDA wheels were downloaded"
+
+
+# The pages themselves ----------------------------------------------------------------------------
+def test_the_readme_is_read_in_ten_minutes() -> None:
+    lines = len(page("README.md").splitlines())
+    assert lines < 400, f"README.md has {lines} lines: the reference belongs in docs/"
+
+
+# (page, section title or None for the whole page) -> the test module that runs its commands. A
+# module named here must read that page and section itself, which the test below checks by its text.
+COMMANDS_RUN_BY = {
+    ("README.md", "Quick start"): "tests/test_readme.py",
+    ("README.md", "Defining a workload"): "tests/test_readme.py",
+    ("README.md", "The service"): "tests/test_api_readme.py",
+    ("docs/cli.md", "autotune probe"): "tests/test_readme.py",
+    ("docs/probing.md", None): "tests/test_readme.py",
+    ("docs/estimate.md", None): "tests/test_estimate.py",
+    ("docs/parallel.md", None): "tests/test_parallel.py",
+    ("docs/accumulation.md", "Mixed GPU types"): "tests/test_mixed_plan.py",
+}
+# (page, command without its comment) -> why no test runs it.
+NOT_RUN = {
+    ("docs/measurements.md", "make bench"): (
+        "the benchmark itself (7 minutes); tests/test_readme_figures.py reruns its deterministic rows"
+    ),
+}
+
+
+def _text_of(name: str, title: str | None) -> str:
+    return page(name) if title is None else section(name, title)
+
+
+def test_every_command_of_every_page_is_run_by_a_test() -> None:
+    covered = {
+        (name, command) for (name, title) in COMMANDS_RUN_BY for command in console_commands(_text_of(name, title))
+    }
+    for name in pages():
+        for command in console_commands(page(name)):
+            bare = command.split("#", 1)[0].strip()
+            assert (name, command) in covered or (name, bare) in NOT_RUN, (
+                f"{name}: `{command}` is run by no test: add its section to COMMANDS_RUN_BY with the test "
+                "that runs it, or to NOT_RUN with the reason"
+            )
+    for (name, title), module in COMMANDS_RUN_BY.items():
+        assert console_commands(_text_of(name, title)), f"{name} {title!r} has no commands left"
+        source = (ROOT / module).read_text(encoding="utf-8")
+        assert f'"{name}"' in source, f"{module} does not read {name}"
+        assert title is None or f'"{title}"' in source, f"{module} does not read {name}'s {title!r}"
+        if module == "tests/test_readme.py":
+            assert set(console_commands(_text_of(name, title))) <= {*QUICK_START, *PROBING}
+    for name, command in NOT_RUN:
+        assert command in {c.split("#", 1)[0].strip() for c in console_commands(page(name))}, (name, command)
+
+
+def _slug(title: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
+def _links(text: str) -> list[str]:
+    """The targets of the markdown links in `text`, outside code blocks and code spans."""
+    prose_only = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    prose_only = re.sub(r"`[^`\n]*`", "", prose_only)
+    return re.findall(r"\]\(([^)\s]+)\)", prose_only)
+
+
+@pytest.mark.parametrize("name", pages())
+def test_every_relative_link_points_at_an_existing_file_and_heading(name: str) -> None:
+    links = [t for t in _links(page(name)) if not re.match(r"[a-z]+:", t)]
+    if name == "README.md":
+        assert {f"docs/{Path(p).name}" for p in pages()[1:]} <= set(links), "the README links every docs/ page"
+    for target in links:
+        path, _, anchor = target.partition("#")
+        file = (ROOT / name).parent / path if path else ROOT / name
+        assert file.exists(), f"{name}: link to {target} points at no file"
+        if anchor and file.suffix == ".md":
+            slugs = {_slug(title) for _, _, title in headings(file.read_text(encoding="utf-8"))}
+            assert anchor in slugs, f"{name}: link to {target}: {file.name} has no heading #{anchor}"

@@ -1,6 +1,6 @@
-"""The README's figures, checked against what the code produces or the measurement file they came
-from. A figure the README marks as a measurement (with its date and machine) is not rerun here;
-figures from the same deterministic computation are: trial counts, answers, plans.
+"""The figures of the README and docs/, checked against what the code produces or the measurement
+file they came from. A figure a page marks as a measurement (with its date and machine) is not
+rerun here; figures from the same deterministic computation are: trial counts, answers, plans.
 
 Each check is cheap: the constants and defaults it quotes, the plans it shows, the answers it
 quotes for the examples on the budget device, the benchmark's deterministic columns (five of our
@@ -25,15 +25,15 @@ from types import ModuleType
 import pytest
 
 from autotune.plans.plan import plan
+from tests.docs_text import all_text, page, prose
 
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text(encoding="utf-8")
-TEXT = " ".join(README.split())  # prose with its line breaks undone
+TEXT = prose(all_text())  # every page, its line breaks undone: a figure is checked wherever it stands
 MIB = 2**20
 
 
 def _quoted(fragment: str) -> None:
-    assert " ".join(fragment.split()) in TEXT, f"the README no longer says {fragment!r}"
+    assert " ".join(fragment.split()) in TEXT, f"neither the README nor docs/ still says {fragment!r}"
 
 
 # Constants and defaults ---------------------------------------------------------------------------
@@ -82,7 +82,7 @@ def test_the_settings_table_shows_the_settings_defaults(monkeypatch: pytest.Monk
         if name.startswith("AUTOTUNE_"):
             monkeypatch.delenv(name)
     defaults = Settings()
-    rows = re.findall(r"^\| `AUTOTUNE_(\w+)` \| (.+?) \|", README, re.M)
+    rows = re.findall(r"^\| `AUTOTUNE_(\w+)` \| (.+?) \|", page("docs/service.md"), re.M)
     assert len(rows) == len(Settings.model_fields)
     for name, shown in rows:
         field = name.lower()
@@ -93,7 +93,7 @@ def test_the_settings_table_shows_the_settings_defaults(monkeypatch: pytest.Monk
             assert actual == socket.gethostname(), name
         else:
             value = shown.strip("`")
-            assert getattr(Settings(**{field: value}), field) == actual, f"{name}: README {value}, code {actual}"
+            assert getattr(Settings(**{field: value}), field) == actual, f"{name}: docs {value}, code {actual}"
     # The same defaults where the prose names them.
     _quoted("the budget device with `AUTOTUNE_CPU_MEMORY` (256 MiB)")
     _quoted("`AUTOTUNE_MAX_CPU_MEMORY` (8 GiB unless raised")
@@ -165,7 +165,8 @@ def _bench() -> ModuleType:
 
 def _bench_rows() -> list[dict[str, str]]:
     header = "| workload | budget | true | method | found | trials | sample-steps | × 2 steps at answer | seconds |"
-    lines = README[README.index(header) :].split("\n\n")[0].splitlines()[2:]
+    text = page("docs/measurements.md")
+    lines = text[text.index(header) :].split("\n\n")[0].splitlines()[2:]
     keys = ("workload", "budget", "true", "method", "found", "trials", "sample_steps", "ratio", "seconds")
     rows = [dict(zip(keys, (c.strip().strip("*") for c in line.strip("|").split("|")), strict=True)) for line in lines]
     assert len(rows) == 36
@@ -179,7 +180,8 @@ def test_the_benchmark_tables_agree_with_each_other() -> None:
     for row in rows:
         assert f"{int(row['sample_steps']) / (2 * int(row['true'])):.1f}" == row["ratio"], row
     header = "| method | found == true | median trials | max trials |"
-    summary = README[README.index(header) :].split("\n\n")[0].splitlines()[2:]
+    text = page("docs/measurements.md")
+    summary = text[text.index(header) :].split("\n\n")[0].splitlines()[2:]
     for line in summary:
         method, exact, median_trials, max_trials, median_ratio, median_seconds, total = (
             c.strip() for c in line.strip("|").split("|")
@@ -270,7 +272,7 @@ def test_the_parallel_truth_table_is_the_stored_measurement() -> None:
     assert stored["date"].startswith("2026-11-24") and stored["machine"]["cpus"] == 2
     assert all(row["holds"] and row["real_peaks"] == [row["simulated_peak"]] for row in stored["rows"])
     table = bench.markdown(stored["rows"], stored["unsharded_answer"]).split("\n\n")[0]
-    assert table in README, "the README's parallel table is not bench/results/parallel.json's"
+    assert table in page("docs/parallel.md"), "docs/parallel.md's table is not bench/results/parallel.json's"
     _quoted(f"One process of the model, without any parallelism, answers {stored['unsharded_answer']}")
     _quoted(f"Measured {stored['date'][:10]} on the 2-core CPU VM, torch {stored['machine']['torch']}")
 
