@@ -154,6 +154,9 @@ def _links(text: str) -> list[str]:
 
 @pytest.mark.parametrize("name", pages())
 def test_every_relative_link_points_at_an_existing_file_and_heading(name: str) -> None:
+    # An unclosed block would hide every heading and link after it, and swallow what follows.
+    fences = re.findall(r"^```", page(name), re.M)
+    assert len(fences) % 2 == 0, f"{name} has a code block that is never closed"
     links = [t for t in _links(page(name)) if not re.match(r"[a-z]+:", t)]
     if name == "README.md":
         assert {f"docs/{Path(p).name}" for p in pages()[1:]} <= set(links), "the README links every docs/ page"
