@@ -77,7 +77,9 @@ def snapshot(inv: Any, visible: str | None = None) -> InventorySnapshot:
         reason = getattr(inv, "reason", None) or "NVML is unavailable"
         return InventorySnapshot(False, reason, None, (), tuple(getattr(inv, "warnings", ()) or ()))
     gpus = list(getattr(inv, "devices", []) or [])
-    chosen = _visible(gpus, visible)
+    from autotune.devices.nvml import visible_gpus
+
+    chosen = visible_gpus(gpus, visible)
     devices = []
     for number, gpu in enumerate(chosen):
         migs = list(getattr(gpu, "mig_devices", []) or [])
@@ -101,33 +103,6 @@ def snapshot(inv: Any, visible: str | None = None) -> InventorySnapshot:
         tuple(devices),
         tuple(getattr(inv, "warnings", ()) or ()),
     )
-
-
-def _visible(gpus: list[Any], visible: str | None) -> list[Any]:
-    if visible is None:
-        return gpus
-    chosen: list[Any] = []
-    for token in (t.strip() for t in visible.split(",")):
-        found = _find(gpus, token)
-        if found is None:
-            break  # CUDA ignores everything from the first entry it cannot match
-        if found not in chosen:
-            chosen.append(found)
-    return chosen
-
-
-def _find(gpus: list[Any], token: str) -> Any | None:
-    if token.isdigit():
-        index = int(token)
-        return next((g for g in gpus if int(g.index) == index), None)
-    wanted = token.lower()
-    if not wanted:
-        return None
-    for gpu in gpus:
-        uuids = [getattr(gpu, "uuid", None)] + [getattr(m, "uuid", None) for m in getattr(gpu, "mig_devices", [])]
-        if any(u and u.lower().startswith(wanted) for u in uuids):
-            return gpu
-    return None
 
 
 class DeviceCatalog:

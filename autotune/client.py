@@ -11,9 +11,10 @@ Errors become ours: 401 `AuthError`; an unreachable service or a 5xx `ServiceUna
 (after a few retries with backoff); other refusals `ServiceError` with the status code; a probe
 that failed on the service the `ProbeError` it failed with. With `fallback="local"`, a service
 that cannot be reached (or answers 5xx) is replaced by a probe in this job, of the same registered
-workload read from AUTOTUNE_WORKLOADS (or the built-ins), in an isolated child. A probe that is
-still running when `timeout` passes is not a reason to fall back: a second probe on the same GPU
-would measure a card the first one is using.
+workload read from AUTOTUNE_WORKLOADS (or the built-ins), in an isolated child, under the
+device's lock as every probe on the node (`autotune.engine.lock`): it waits for a probe the service
+or anyone else is running on that device. A probe that is still running when `timeout` passes is
+not a reason to fall back: a second probe on the same GPU would measure a card the first one is using.
 
 A device the service's node does not have is a refusal, not an outage: the service answers it
 with `"code": "no_such_device"` (a 404), and the client raises `NoSuchDeviceError` at once, with
@@ -107,13 +108,16 @@ class AutotuneClient:
         reshard_after_forward: bool = True,
         timeout: float = 900.0,
         fallback: Fallback = "error",
+        wait_for_device: bool = True,
     ) -> Plan:
         """The plan for `effective_batch` samples per optimizer step over `world_size` ranks.
         `parallel`: how the job runs the model across its ranks (none, ddp, or fsdp: FSDP2 over
         `world_size` ranks); the micro-batch is per rank of such a job.
 
         Waits up to `timeout` seconds for a probe the service runs. Raises AuthError,
-        ServiceError, ServiceUnavailableError, or the ProbeError the probe failed with."""
+        ServiceError, ServiceUnavailableError, or the ProbeError the probe failed with. A local
+        probe holds the device's lock as every probe does: while another probe on this node holds
+        it, it waits (logged), or raises DeviceBusyError with `wait_for_device=False`."""
         if fallback not in ("local", "error"):
             raise errors.ConfigError(f"fallback must be 'local' or 'error', not {fallback!r}")
         policy = parse_policy(policy)
@@ -129,7 +133,7 @@ class AutotuneClient:
                 raise
             log.warning("autotune service unavailable (%s): probing %s in this job", exc, workload)
             local = {**options, "optimizer": optimizer, **_parallel_fields(parallel, reshard_after_forward)}
-            made = self._local_plan(workload, effective_batch, world_size, policy, local)
+            made = self._local_plan(workload, effective_batch, world_size, policy, local, wait_for_device)
             self.last_source = "local"
             return made
         self.last_source = "service"
@@ -320,6 +324,7 @@ class AutotuneClient:
         world_size: int,
         policy: Policy,
         options: dict[str, Any],
+        wait_for_device: bool = True,
     ) -> Plan:
         from autotune.engine.confirm import probe_and_confirm
         from autotune.engine.probe import ProbeRequest
@@ -349,7 +354,7 @@ class AutotuneClient:
             )
         except ValueError as exc:  # pydantic's ValidationError
             raise errors.ConfigError(f"cannot probe {workload!r} locally: {exc}") from None
-        result = probe_and_confirm(request, timeout=settings.probe_timeout)
+        result = probe_and_confirm(request, timeout=settings.probe_timeout, wait_for_device=wait_for_device)
         assert result.plan is not None  # the request had an effective batch
         return result.plan
 

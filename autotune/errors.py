@@ -10,7 +10,8 @@
     │   ├── NotAnOOMError          a trial failed with an error that is not out-of-memory
     │   ├── ProbeCrashedError      the isolated child died (signal, segfault, sticky CUDA error)
     │   ├── ProbeTimeoutError      the isolated child ran past its timeout
-    │   └── InsufficientMemoryError the device has less free memory than a probe needs to start
+    │   ├── InsufficientMemoryError the device has less free memory than a probe needs to start
+    │   └── DeviceBusyError        another probe holds the device's lock (--no-wait)
     ├── DeviceError                a device that is missing or unusable (CLI exit 2: bad input here)
     ├── StoreError                 the database cannot be opened, read or written
     ├── QueueFullError             a device's probe queue is full (HTTP 429, Retry-After)
@@ -90,6 +91,10 @@ class ProbeTimeoutError(ProbeError):
 
 class InsufficientMemoryError(ProbeError):
     """The device's free memory is below the minimum a probe needs to start."""
+
+
+class DeviceBusyError(ProbeError):
+    """Another probe on this node holds the device's lock, and this one was told not to wait."""
 
 
 class RunOutOfMemoryError(AutotuneError):

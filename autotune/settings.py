@@ -19,6 +19,8 @@
 | AUTOTUNE_DEBUG               | false            | the CLI prints a failure's full traceback (--debug)  |
 | AUTOTUNE_ALLOCATOR           | exact            | the budget device's memory: exact, or cuda (a model  |
 |                              |                  | of CUDA's caching allocator); read per device        |
+| AUTOTUNE_LOCK_DIR            | /tmp/autotune-UID| where each device's lock file lives: every probe on  |
+|                              |                  | this node holds its device's (one probe per device)  |
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ class Settings(BaseSettings):
     # CUDA's caching allocator (reserved memory, fragmentation, retries). Read when a BudgetDevice
     # is created (`allocator_mode`), so a test or a job can switch it without a new process.
     allocator: Literal["exact", "cuda"] = "exact"
+    # The directory of the device locks (autotune.engine.lock). Processes share a device's lock only
+    # when they share this directory: the default is per user, so a service and people's probes
+    # running as other users set it to one directory they can all write.
+    lock_dir: Path | None = None
 
     @field_validator("cpu_memory", "max_body", "max_cpu_memory", mode="before")
     @classmethod
@@ -73,6 +79,11 @@ class Settings(BaseSettings):
     def _size_or_zero(cls, value: object) -> int:
         # 0 is meaningful here: never refuse to start a probe for lack of free memory.
         return parse_size(value if isinstance(value, int) else str(value), allow_zero=True)
+
+    @field_validator("lock_dir", mode="before")
+    @classmethod
+    def _lock_dir(cls, value: object) -> object:
+        return None if isinstance(value, str) and not value.strip() else value  # set but empty: the default
 
     @field_validator("db", mode="before")
     @classmethod

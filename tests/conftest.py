@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -11,6 +12,12 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
+
+# Every probe holds its device's lock (autotune.engine.lock): each pytest process gets a lock
+# directory of its own, so that the suite's workers, and other runs on this machine, probe side by
+# side as before; a test that wants its probes to meet gives them one directory.
+os.environ["AUTOTUNE_LOCK_DIR"] = tempfile.mkdtemp(prefix="autotune-locks-")
+atexit.register(shutil.rmtree, os.environ["AUTOTUNE_LOCK_DIR"], True)
 
 # pytest-xdist's workers run with COLUMNS=80, which rich reads into the CLI's consoles when they are
 # created (at import): a test that widens the terminal with COLUMNS then still got 80 columns.

@@ -114,7 +114,8 @@ def start_server(
     workloads_file.write_text(workloads)
     db = db or directory / "autotune.db"
     port = free_port()
-    child_env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
+    # The test process's device locks too: a server's probes and the test's meet on them.
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_") or k == "AUTOTUNE_LOCK_DIR"}
     child_env.update(
         {
             "AUTOTUNE_DB": str(db),

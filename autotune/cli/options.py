@@ -147,6 +147,14 @@ PrefetchOption = Annotated[
 ConfirmOption = Annotated[
     bool, typer.Option("--confirm/--no-confirm", help="Run the answer again in a fresh process after the search.")
 ]
+WaitOption = Annotated[
+    bool,
+    typer.Option(
+        "--wait/--no-wait",
+        help="While another probe on this node holds the device: wait for it, saying who holds it (default), or "
+        "fail at once naming it (exit 1). Lock files: AUTOTUNE_LOCK_DIR.",
+    ),
+]
 ConfirmStepsOption = Annotated[
     int | None,
     typer.Option(

@@ -61,6 +61,7 @@ from autotune.cli.options import (
     StepsOption,
     TargetArgument,
     TimeoutOption,
+    WaitOption,
     WorldSizeOption,
 )
 from autotune.cli.progress import run_with_progress
@@ -107,6 +108,7 @@ def probe(
     compare_allocator_config: CompareAllocatorOption = None,
     parallel: ParallelOption = "none",
     reshard_after_forward: ReshardOption = True,
+    wait: WaitOption = True,
 ) -> None:
     """Probe the largest micro-batch of TARGET that fits within the budget, and plan accumulation
     for --effective-batch. TARGET is a built-in example (mlp, cnn, gpt) or module:attribute naming a
@@ -114,9 +116,10 @@ def probe(
 
     Exit codes: 0 with an answer, 1 when the probe could not answer, 2 for bad input, 130 when
     interrupted (Ctrl-C) and 143 when terminated (SIGTERM), after the probe's processes have
-    exited, with a line saying how many trials ran."""
+    exited, with a line saying how many trials ran. One probe per device on this node: while
+    another holds it, this one waits (or, with --no-wait, exits 1 naming it)."""
     request, settings, seconds = probe_request(dict(locals()))
-    result = run_with_progress(request, in_process, seconds)
+    result = run_with_progress(request, in_process, seconds, wait=wait)
     _report(result, json_output=json_output, plot=plot, publish=publish, settings=settings)
 
 

@@ -24,6 +24,7 @@ from autotune.cli.summary import trial_table
 from autotune.units import format_bytes
 
 if TYPE_CHECKING:
+    from autotune.engine.lock import Wait
     from autotune.progress import TrialProgress
     from autotune.request import ProbeRequest
     from autotune.results import ProbeResult, TrialRecord
@@ -70,6 +71,7 @@ class ProgressView:
         self.trials: list[TrialRecord] = []
         self.runs = 0  # fresh-process confirmation runs that finished
         self.current: TrialProgress | None = None
+        self.waiting: str | None = None  # for the device, which another probe holds
         self.done = False
         self._clock = clock
         self._since = clock()  # when `current` arrived (or, with none, when the last change was)
@@ -86,10 +88,15 @@ class ProgressView:
         self.runs += 1
         self.current, self._since = None, self._clock()
 
+    def wait(self, w: Wait) -> None:
+        self.waiting, self._since = (None if w.done else w.line()), self._clock()
+
     def status(self) -> str:
         """The status line, in words."""
         elapsed = self._clock() - self._since
         p = self.current
+        if p is None and self.waiting is not None:
+            return f"{self.waiting} · {elapsed:.1f} s"
         if p is None:
             if self.runs:
                 return f"confirming · {_count(self.runs, 'fresh-process run')} done · {elapsed:.1f} s"
@@ -152,6 +159,11 @@ class _Lines:
                 f"confirm: batch {t.batch} in a fresh process ({loop} per optimizer step): {verdict}, "
                 f"peak {format_bytes(t.peak_reserved_bytes)}, {t.seconds:.2f} s"
             )
+
+    def wait(self, w: Wait) -> None:
+        with self.lock:
+            self.view.wait(w)
+            self.say(w.line())
 
     def trial(self, t: TrialRecord) -> None:
         with self.lock:
@@ -230,10 +242,11 @@ def _sigterm_raises() -> Iterator[None]:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def run_with_progress(request: ProbeRequest, in_process: bool, timeout: float) -> ProbeResult:
+def run_with_progress(request: ProbeRequest, in_process: bool, timeout: float, *, wait: bool = True) -> ProbeResult:
     """Run the probe (and its confirmation), showing each trial as it finishes and the one running:
     a live table and a spinner on a terminal, plain lines otherwise (logs, CI). Ctrl-C or SIGTERM
-    ends the probe's processes, then raises ProbeInterrupted."""
+    ends the probe's processes, then raises ProbeInterrupted. While another probe holds the
+    device: a line saying who, then one when it is free (or, with `wait=False`, DeviceBusyError)."""
     view = ProgressView(f"probing {request.target}", isolated=not in_process)
     lines = _Lines(view)
 
@@ -247,6 +260,8 @@ def run_with_progress(request: ProbeRequest, in_process: bool, timeout: float) -
             on_trial=on_trial,
             on_run=lines.confirmed,
             on_progress=on_progress,
+            wait_for_device=wait,
+            on_wait=lines.wait,
         )
 
     def run_and_show() -> ProbeResult:

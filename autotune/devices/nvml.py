@@ -376,6 +376,51 @@ def find_device(inv: Inventory, uuid: str) -> GpuInfo | MigDeviceInfo | None:
     return None
 
 
+def visible_gpus(gpus: Sequence[T], visible: str | None) -> list[T]:
+    """The GPUs in the order CUDA numbers them under CUDA_VISIBLE_DEVICES `visible` (indices or
+    UUID prefixes, up to the first entry it cannot find); all of them when it is unset."""
+    if visible is None:
+        return list(gpus)
+    chosen: list[T] = []
+    for token in (t.strip() for t in visible.split(",")):
+        found = _find_visible(gpus, token)
+        if found is None:
+            break  # CUDA ignores everything from the first entry it cannot match
+        if found not in chosen:
+            chosen.append(found)
+    return chosen
+
+
+def _find_visible(gpus: Sequence[T], token: str) -> T | None:
+    if token.isdigit():
+        index = int(token)
+        return next((g for g in gpus if int(getattr(g, "index", -1)) == index), None)
+    wanted = token.lower()
+    if not wanted:
+        return None
+    for gpu in gpus:
+        uuids = [getattr(gpu, "uuid", None)] + [getattr(m, "uuid", None) for m in getattr(gpu, "mig_devices", [])]
+        if any(u and u.lower().startswith(wanted) for u in uuids):
+            return gpu
+    return None
+
+
+def cuda_uuid(index: int, nvml_module: ModuleType | Any | None = None) -> str | None:
+    """The UUID of CUDA's cuda:`index` in a process started with this environment, read through
+    NVML without initialising CUDA (a GPU in MIG mode is its first MIG instance); None when NVML
+    cannot say."""
+    inv = inventory(nvml_module)
+    if not inv.available:
+        return None
+    chosen = visible_gpus(inv.devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if not 0 <= index < len(chosen):
+        return None
+    gpu = chosen[index]
+    if gpu.mig_mode and gpu.mig_devices:
+        return gpu.mig_devices[0].uuid
+    return gpu.uuid
+
+
 def torch_device_uuid(index: int) -> str | None:
     """The UUID CUDA reports for torch's cuda:`index` (after CUDA_VISIBLE_DEVICES), or None
     without CUDA. This initialises CUDA: call it only where a CUDA context is wanted anyway."""

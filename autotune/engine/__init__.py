@@ -9,6 +9,7 @@ child and the fresh-process confirmation, and `estimate`.
     probe      a probe end to end: device, workload, search, plan, result
     isolation  a probe in a fresh child process with a hard timeout
     zygote     the fork server a probe's processes come from (one torch import for all)
+    lock       one probe per device on this node: the device's OS lock every probe holds
     confirm    each answer run again in a fresh process
     estimate   the answer for a memory size, computing nothing (fake tensors)
 

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pydantic import BaseModel
 
 from autotune import errors
-from autotune.engine import zygote
+from autotune.engine import lock, zygote
 from autotune.engine.isolation import hold_interrupts
 from autotune.engine.search import search_from_guess
 from autotune.errors import NothingFitsError, ProbeError, ProbeTimeoutError
@@ -379,11 +379,17 @@ def probe_and_confirm(
     on_trial: TrialCallback | None = None,
     on_run: RunCallback | None = None,
     on_progress: ProgressCallback | None = None,
+    wait_for_device: bool = True,
+    on_wait: lock.WaitCallback | None = None,
 ) -> ProbeResult:
     """Search (in an isolated child, or here), then confirm in fresh processes unless the
     request says not to. What the CLI, the service and the client's local fallback run.
-    `on_progress` hears the micro-steps inside trials and confirmation runs (throttled)."""
-    with zygote.serving():
+    `on_progress` hears the micro-steps inside trials and confirmation runs (throttled).
+
+    The device's lock (`autotune.engine.lock`) is held throughout, by this process for all of the
+    probe's: while another probe holds it, this one waits (`on_wait` hears who holds it), or
+    raises DeviceBusyError with `wait_for_device=False`."""
+    with lock.device_lock(request.device, wait=wait_for_device, on_wait=on_wait), zygote.serving():
         result = _probe_and_confirm(request, timeout, in_process, on_trial, on_run, on_progress)
         if request.compare_allocator_config is not None:
             result = _compared(result, request, timeout, in_process)

@@ -26,6 +26,7 @@ from autotune import __version__
 from autotune.devices import cuda, nvml
 from autotune.devices.budget import BudgetDevice
 from autotune.devices.device import ProbeDevice
+from autotune.engine.lock import WaitCallback, device_lock
 from autotune.engine.objective import time_and_choose
 from autotune.engine.predict import predicted_search
 from autotune.engine.search import SearchOutcome, search, search_from_guess
@@ -187,7 +188,21 @@ def run_probe(
 
     `workload`: probe this object rather than the request's target. `train`: makes the job's own
     loop for the runner (a framework's), run instead of the workload's step. `on_progress`: told
-    as each micro-step of a trial begins (every one: throttle it for a pipe)."""
+    as each micro-step of a trial begins (every one: throttle it for a pipe). Holds the device's
+    lock (`autotune.engine.lock`), waiting for another probe that holds it; a probe's isolated
+    child runs under its parent's."""
+    with device_lock(request.device):
+        return _run_probe(request, on_trial, workload=workload, train=train, on_progress=on_progress)
+
+
+def _run_probe(
+    request: ProbeRequest,
+    on_trial: TrialCallback | None,
+    *,
+    workload: Workload | None,
+    train: Callable[[TrialRunner], TrainLoop] | None,
+    on_progress: ProgressCallback | None,
+) -> ProbeResult:
     started = time.perf_counter()
     workload = load_workload(request) if workload is None else as_requested(workload, request)
     device, policy, budget, room = open_device(request)
@@ -375,11 +390,15 @@ def probe_workload(
     on_trial: TrialCallback | None = None,
     train: Callable[[TrialRunner], TrainLoop] | None = None,
     on_progress: ProgressCallback | None = None,
+    wait_for_device: bool = True,
+    on_wait: WaitCallback | None = None,
     **fields: object,
 ) -> ProbeResult:
     """Probe a Workload object in this process; `fields` are ProbeRequest's (memory="6GiB",
     effective_batch=256, world_size=...). Its trials restore the model; it is not confirmed in a
-    fresh process, which cannot re-create the objects."""
+    fresh process, which cannot re-create the objects. While another probe holds the device, waits
+    for it (`on_wait` hears who holds it; the log by default), or raises DeviceBusyError with
+    `wait_for_device=False`."""
     from autotune.results import Confirmation
 
     fields.setdefault("target", f"live:{workload.name}")
@@ -402,7 +421,8 @@ def probe_workload(
     if freeze:
         gc.freeze()
     try:
-        result = run_probe(request, on_trial, workload=workload, train=train, on_progress=on_progress)
+        with device_lock(request.device, wait=wait_for_device, on_wait=on_wait):
+            result = run_probe(request, on_trial, workload=workload, train=train, on_progress=on_progress)
     finally:
         if freeze:
             gc.unfreeze()

@@ -46,8 +46,11 @@ def child_env() -> dict[str, str]:
     """The environment of a probe's child: this one, with this process's `sys.path` (the current
     directory made absolute) as PYTHONPATH, so the child imports autotune and the workload as this
     process does."""
+    from autotune.engine import lock
+
     path = [os.path.abspath(p or os.curdir) for p in [*sys.path, ""]]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path))}
+    # The device lock this thread's probe holds is the child's too (it is part of that probe).
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path)), **lock.inherited_env()}
 
 
 class _Serving:

@@ -1,0 +1,68 @@
+"""Workloads for the device lock's tests (used as tests.lock_workloads:NAME): a tiny MLP whose batches
+say which process made them and who held the device's lock then, or wait at a gate, or hang in
+the fresh-process confirmation."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from autotune.workloads.examples import mlp
+from autotune.workloads.workload import Workload
+
+
+def ancestors() -> list[int]:
+    """This process and its ancestors, from /proc."""
+    chain = [os.getpid()]
+    while chain[-1] > 1 and len(chain) < 64:
+        stat = Path(f"/proc/{chain[-1]}/stat").read_text()
+        chain.append(int(stat[stat.rindex(")") + 2 :].split()[1]))
+    return chain
+
+
+def _in_confirmation() -> bool:
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    return getattr(spec, "name", None) == "autotune.engine.confirm"
+
+
+def _tiny() -> Workload:
+    return mlp(in_features=64, hidden=64, layers=1, classes=10)
+
+
+def gated(log: str, gate: str) -> Workload:
+    """Each batch waits while the file `gate` exists, then appends a line to `log`: this process,
+    its ancestors, and the pid the CPU budget device's lock file names as its holder."""
+    from autotune.engine.lock import holder
+
+    base = _tiny()
+
+    def batch(b: int, device: torch.device) -> object:
+        if device.type != "meta":  # the service builds it on the meta device to fingerprint it
+            while os.path.exists(gate):
+                time.sleep(0.02)
+            record = holder("cpu-budget") or {}
+            line = json.dumps({"chain": ancestors(), "holder": record.get("pid"), "time": time.time()})
+            with open(log, "a") as file:
+                file.write(line + "\n")
+        return base.make_batch(b, device)
+
+    return dataclasses.replace(base, name="gated", make_batch=batch)
+
+
+def hangs_when_confirmed(marker: str) -> Workload:
+    """Fits in the search; in a fresh-process confirmation run, writes MARKER/confirm-PID and hangs."""
+    base = _tiny()
+
+    def batch(b: int, device: torch.device) -> object:
+        if device.type != "meta" and _in_confirmation():
+            Path(marker, f"confirm-{os.getpid()}").write_text(json.dumps(ancestors()))
+            time.sleep(3600)
+        return base.make_batch(b, device)
+
+    return dataclasses.replace(base, name="hangs-when-confirmed", make_batch=batch)
