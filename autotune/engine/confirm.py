@@ -313,6 +313,9 @@ def _drain(fd: int, chunks: list[bytes], on_progress: ProgressCallback | None) -
 
 
 def _child(answer_fd: int) -> None:
+    # Its stdin is read to its end at once, so nothing there says that the caller has gone: this
+    # run dies with the process that started it (the fork server, or the caller without one).
+    zygote.die_with_parent(os.getppid())
     job = FreshRunRequest.model_validate_json(sys.stdin.buffer.read())
     answer: dict[str, object]
     with os.fdopen(answer_fd, "w") as pipe:

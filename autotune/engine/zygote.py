@@ -16,8 +16,10 @@ without one, starts an interpreter. A forked child is a `Forked`, which the call
 a `subprocess.Popen`: pid, stdin, stderr, poll, wait, kill, communicate. The server sends each
 child's exit status back on its socket. It serves one child at a time (a probe's runs are
 sequential), exits when its stdin reaches end of file (the caller has gone, however it went) or
-its socket closes, and kills a child still running then, so no run outlives its caller. A server
-that cannot start, or dies, makes `spawn` start a new interpreter instead.
+its socket closes, and kills a child still running then, so no run outlives its caller. A killed
+caller takes the server down at once (PR_SET_PDEATHSIG, armed before its imports), and the server
+its children (the same signal): nothing of a probe is left a moment after kill -9 of its process. A
+server that cannot start, or dies, makes `spawn` start a new interpreter instead.
 """
 
 from __future__ import annotations
@@ -192,7 +194,7 @@ class Zygote:
         env = child_env()
         try:
             process = subprocess.Popen(
-                [sys.executable, "-m", "autotune.engine.zygote", str(theirs.fileno())],
+                [sys.executable, "-m", "autotune.engine.zygote", str(theirs.fileno()), str(os.getpid())],
                 env=env,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL,
@@ -369,6 +371,7 @@ def _serve_until_closed(sock: socket.socket, running: list[int]) -> None:
 
 
 def _fork(header: dict[str, Any], fds: list[int], sock: socket.socket) -> int:
+    server = os.getpid()
     pid = os.fork()
     if pid:
         for fd in fds:
@@ -378,7 +381,7 @@ def _fork(header: dict[str, Any], fds: list[int], sock: socket.socket) -> int:
     try:
         sock.close()
         os.setsid()
-        _die_with_parent()
+        die_with_parent(server)
         # The received descriptors, moved above every number the caller asked for, then placed there.
         wanted: list[int] = header["fds"]
         floor = max([*wanted, *fds]) + 1
@@ -420,20 +423,26 @@ def _fork(header: dict[str, Any], fds: list[int], sock: socket.socket) -> int:
         os._exit(code)
 
 
-def _die_with_parent() -> None:
-    """SIGKILL this child when the server dies (Linux's PR_SET_PDEATHSIG), however it dies."""
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this process when `parent` (the thread of it that started this one) dies, however it
+    dies (Linux's PR_SET_PDEATHSIG); exit now if it has died already."""
     with contextlib.suppress(Exception):
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
         pr_set_pdeathsig = 1
         libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before the signal was armed
+        os._exit(1)
 
 
 def main() -> None:
-    if len(sys.argv) != 2 or not sys.argv[1].isdigit():
-        sys.stderr.write("usage: python -m autotune.engine.zygote SOCKET_FD (autotune's own use)\n")
+    if len(sys.argv) != 3 or not all(arg.isdigit() for arg in sys.argv[1:]):
+        sys.stderr.write("usage: python -m autotune.engine.zygote SOCKET_FD CALLER_PID (autotune's own use)\n")
         sys.exit(2)
+    # Before the imports, which take seconds: a caller killed meanwhile takes this server with it
+    # at once (its stdin's end of file is read only once they are done).
+    die_with_parent(int(sys.argv[2]))
     import importlib
 
     for name in PRELOAD:

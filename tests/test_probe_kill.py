@@ -1,0 +1,117 @@
+"""Every process of a probe dies with the process that probes (issue 23): kill -9 of a CLI probe, or of
+the service worker running the job, during the fresh-process confirmation leaves none of its
+processes alive a second later (the fork server, the confirmation run), and the device's lock free."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from autotune.engine import lock
+from autotune.errors import DeviceBusyError
+from autotune.settings import get_settings
+from tests.serving import ROOT, alive, children_of, start_server, wait_for
+
+GRACE = 1.0  # seconds after the kill by which every process of the probe must be gone
+
+
+@pytest.fixture
+def locks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    directory = tmp_path / "locks"
+    monkeypatch.setenv("AUTOTUNE_LOCK_DIR", str(directory))
+    get_settings.cache_clear()
+    return directory
+
+
+def _descendants(pid: int) -> set[int]:
+    found: set[int] = set()
+    pending = [pid]
+    while pending:
+        for child in children_of(pending.pop()):
+            if child not in found:
+                found.add(child)
+                pending.append(child)
+    return found
+
+
+def _confirming(marker: Path, timeout: float = 180) -> int:
+    """The pid of the confirmation run, once it has started (the workload writes the marker)."""
+    name: str = wait_for(lambda: next((p.name for p in marker.iterdir()), None), timeout, "the confirmation run")
+    return int(name.removeprefix("confirm-"))
+
+
+def _kill_and_watch(victim: int, family: set[int]) -> list[str]:
+    """kill -9 `victim`; the processes of `family` still alive GRACE seconds later, by command."""
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + GRACE
+    left = set(family)
+    while left and time.monotonic() < deadline:
+        left = {pid for pid in left if alive(pid)}
+        time.sleep(0.01)
+    left = {pid for pid in left if alive(pid)}
+    return [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode() for pid in left]
+
+
+def _lock_is_free() -> bool:
+    try:
+        with lock.device_lock("cpu", wait=False):
+            return True
+    except DeviceBusyError:
+        return False
+
+
+def test_kill_9_of_a_cli_probe_during_confirmation_leaves_nothing(tmp_path: Path, locks: Path) -> None:
+    marker = tmp_path / "marker"
+    marker.mkdir()
+    args = ["probe", "tests.lock_workloads:hangs_when_confirmed", "-o", f"marker={marker}"]
+    args += ["--device", "cpu", "--memory", "4MiB", "--max-batch", "8"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "autotune.cli", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        cwd=ROOT,
+    )
+    try:
+        confirming = _confirming(marker)
+        family = _descendants(cli.pid)
+        assert confirming in family and len(family) >= 2  # the fork server and its confirmation run
+        left = _kill_and_watch(cli.pid, family)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+        cli.wait()
+    assert not left, left
+    assert _lock_is_free()
+
+
+def test_kill_9_of_a_service_worker_during_confirmation_leaves_nothing(tmp_path: Path, locks: Path) -> None:
+    marker = tmp_path / "marker"
+    marker.mkdir()
+    registry = (
+        "[workloads.hangs]\n"
+        'target = "tests.lock_workloads:hangs_when_confirmed"\n'
+        f'options = {{ marker = "{marker}" }}\n'
+        "max_batch = 8\n"
+    )
+    server = start_server(tmp_path / "node", workloads=registry, workers=2, startup_timeout=120)
+    try:
+        with server.client() as http:
+            submitted = http.post("/v1/probes", json={"workload": "hangs", "device": "cpu"})
+            assert submitted.status_code == 202, submitted.text
+        confirming = _confirming(marker)
+        (worker,) = [w for w in children_of(server.process.pid) if confirming in _descendants(w)]
+        family = _descendants(worker)
+        assert len(family) >= 2  # the fork server and its confirmation run
+        left = _kill_and_watch(worker, family)
+        assert not left, left
+        assert _lock_is_free()
+    finally:
+        server.stop()
