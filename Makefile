@@ -20,8 +20,10 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q -e ".[server,plot,dev,lightning,transformers,accelerate]" -c $(VENV)/torch-constraint.txt
 	touch $(STAMP)
 
+# The result is saved for the Python lines the summary ends with (autotune.load_result).
 demo: $(STAMP)
-	$(VENV)/bin/autotune probe gpt --effective-batch 256
+	$(VENV)/bin/autotune probe gpt --effective-batch 256 --save demo-result.json
+	@echo "autotune is installed in .venv: run .venv/bin/autotune (e.g. .venv/bin/autotune probe --help), or 'source .venv/bin/activate' first"
 
 # Two pytest workers (one per core), each test file on one worker (its module fixtures made once), in
 # the order tests/conftest.py gives (the longest files first; xdist would order them by test count).

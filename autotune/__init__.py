@@ -10,6 +10,7 @@ Public API:
     accumulate, MicroStep, AcrossRanks  loss weights and optimizer steps in the loop (autotune.plans.accumulate)
     OOMGuard                       accumulation that survives an OOM, gradient unchanged (autotune.plans.accumulate)
     ProbeResult, TrialRecord, LoopShape  what a probe reports (autotune.results)
+    load_result                    a saved probe result (`autotune probe --save`): `.plan` runs in the loop
 
 The names that need torch (Workload, Precision, ProbeRequest, run_probe, run_isolated,
 probe_and_confirm, probe_workload) are imported on first use, so `import autotune` stays light.
@@ -24,7 +25,7 @@ from typing import Any
 
 from autotune.plans.accumulate import AcrossRanks, MicroStep, OOMGuard, accumulate
 from autotune.plans.plan import Plan, Policy, plan
-from autotune.results import LoopShape, ProbeResult, TrialRecord
+from autotune.results import LoopShape, ProbeResult, TrialRecord, load_result
 
 _LAZY = {
     "Workload": "autotune.workloads.workload",
@@ -58,6 +59,7 @@ __all__ = [
     "Workload",
     "__version__",
     "accumulate",
+    "load_result",
     "plan",
     "probe_and_confirm",
     "probe_workload",

@@ -81,6 +81,12 @@ class NotAnOOMError(ProbeError):
         self.original = original
 
 
+class LeakError(ProbeError):
+    """The workload's live memory grows with every optimizer step: no micro-batch holds for a whole run."""
+
+    bytes_per_step: int | None = None
+
+
 class ProbeCrashedError(ProbeError):
     """The isolated probe process died without reporting a result."""
 

@@ -2,16 +2,22 @@
 
 These pydantic models are the boundary format: `autotune probe --json` prints a `ProbeResult`,
 the service stores and returns it unchanged, and `POST /v1/results` validates against it.
+`save_result` and `load_result` are the file a job's script reads (`autotune probe --save`).
 Nothing here imports torch.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 from datetime import UTC, datetime
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
+from autotune.errors import ConfigError
 from autotune.plans.plan import Plan, Policy, plan_for_loops
 
 # 2: trials run the job's loop (micro-steps, prefetch); `max_micro_batch` holds with accumulation,
@@ -316,13 +322,26 @@ class ConfirmationCheck(BaseModel):
     searched: int = Field(description="The size the search found (or the plan's micro-batch).")
     confirmed: int | None = Field(description="The largest size that passed in a fresh process; None if none did.")
     runs: list[TrialRecord] = Field(description="Each fresh-process run: batch, fits, peaks, seconds.")
+    probe_peak_bytes: int | None = Field(
+        default=None,
+        description="The probe's own peak (allocated) at the confirmed size in the same loop kind, to compare the "
+        "fresh run's with; None when the probe ran no trial at that size.",
+    )
+    mismatch: str | None = Field(
+        default=None,
+        description="Why the fresh run is not taken as a confirmation although it fitted: its peak differs from "
+        "the probe's by more than the tolerance (the step does not repeat what the probe measured).",
+    )
 
 
 class Confirmation(BaseModel):
     """The fresh-process confirmation of the answer the result gives (and of its plan)."""
 
-    status: Literal["passed", "stepped-down", "skipped"]
-    passed: bool = Field(description="Every searched answer fitted, unchanged, in a fresh process.")
+    status: Literal["passed", "stepped-down", "mismatch", "skipped"]
+    passed: bool = Field(
+        description="Every searched answer fitted, unchanged, in a fresh process, at the probe's peak (within the "
+        "tolerance); `mismatch`: a fresh run's peak differed from the probe's."
+    )
     steps: int = Field(description="Optimizer steps each confirmation run trained.")
     checks: list[ConfirmationCheck] = Field(default_factory=list)
     seconds: float = 0.0
@@ -484,3 +503,50 @@ class ProbeResult(BaseModel):
             f"batch of {made.effective_batch}; GroupNorm or LayerNorm, or fewer, larger micro-batches, avoid it"
         )
         return made.model_copy(update={"warnings": [*made.warnings, warning]})
+
+
+# The result file -------------------------------------------------------------------------------
+def save_result(result: ProbeResult, path: str | Path) -> Path:
+    """Write `result` as JSON to `path` whole or not at all (a temporary file renamed over it): a
+    crash or a full disk never leaves half a result where a job will read one."""
+    target = Path(path).expanduser()
+    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            file.write(result.model_dump_json(indent=2) + "\n")
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def load_result(path: str | Path) -> ProbeResult:
+    """The probe result in `path` (`autotune probe --save PATH`, or `--json > PATH`): its `.plan` is the
+    plan to run (`plan.sampler(len(dataset))` gives a loader its micro-batches), its answers the sizes.
+
+    Raises ConfigError naming the file and what is wrong with it."""
+    source = Path(path).expanduser()
+    try:
+        text = source.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{source}: no such file: save a probe's result with `autotune probe TARGET --save {source}`"
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{source}: cannot be read ({exc})") from None
+    try:
+        data: Any = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{source}: not JSON (line {exc.lineno}: {exc.msg}): is it a probe's --save file?") from None
+    if isinstance(data, dict) and isinstance(data.get("error"), dict):
+        message = data["error"].get("message", "no message")
+        raise ConfigError(f"{source} holds a failed probe, not a result: {message}")
+    try:
+        return ProbeResult.model_validate(data)
+    except ValueError as exc:  # pydantic's ValidationError
+        first = str(exc).splitlines()
+        detail = "; ".join(line.strip() for line in first[1:3]) if len(first) > 1 else str(exc)
+        raise ConfigError(f"{source} is not a probe result ({detail})") from None

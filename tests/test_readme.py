@@ -48,6 +48,30 @@ def test_make_demo_probes_the_builtin_example_and_plans() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "max micro-batch:" in proc.stdout
     assert "effective batch 256" in proc.stdout
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-1].startswith("autotune is installed in .venv: run .venv/bin/autotune"), lines[-1]
+    # The summary's closing lines, pasted into a script: the saved plan runs in a loader, and every
+    # optimizer step but the last sees the effective batch of 256.
+    start = next(i for i, line in enumerate(lines) if line.startswith("in Python"))
+    pasted = [line.removeprefix("  ") for line in lines[start + 1 : start + 4]]
+    assert pasted[0].startswith("plan = autotune.load_result(") and pasted[2].startswith("for step in ")
+    body = "windows.append(step.total) if step.should_step else None"
+    script = "\n".join(
+        [
+            "import autotune, torch",
+            "from torch.utils.data import DataLoader, TensorDataset",
+            "dataset = TensorDataset(torch.arange(1000))",
+            "windows = []",
+            *pasted[:2],
+            pasted[2].split(": ...")[0] + ": " + body,
+            "print(windows)",
+        ]
+    )
+    ran = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert eval(ran.stdout) == [256, 256, 256, 1000 - 3 * 256], ran.stdout
 
 
 @pytest.mark.parametrize("command", PROBING)
@@ -100,6 +124,7 @@ COMMANDS_RUN_BY = {
     ("README.md", "Quick start"): "tests/test_readme.py",
     ("README.md", "Defining a workload"): "tests/test_readme.py",
     ("README.md", "The service"): "tests/test_api_readme.py",
+    ("README.md", "Using the plan in your training loop"): "tests/test_plan_script.py",
     ("docs/cli.md", "autotune probe"): "tests/test_readme.py",
     ("docs/probing.md", None): "tests/test_readme.py",
     ("docs/estimate.md", None): "tests/test_estimate.py",

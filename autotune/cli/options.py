@@ -135,6 +135,14 @@ PlotOption = Annotated[
         ".png, .jpg, .svg or .pdf, as the extension says.",
     ),
 ]
+SaveOption = Annotated[
+    str | None,
+    typer.Option(
+        metavar="FILE.json",
+        help="Write the result to FILE.json (whole or not at all), for a job's script: "
+        "autotune.load_result(FILE.json).plan.",
+    ),
+]
 PrefetchOption = Annotated[
     int,
     typer.Option(

@@ -7,6 +7,8 @@ check first), the probe run with its progress shown (`progress`), the result sai
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autotune.cli.app import app, emit_json, err
@@ -56,6 +58,7 @@ from autotune.cli.options import (
     PrefetchOption,
     PublishOption,
     ReshardOption,
+    SaveOption,
     SearchOption,
     StartBatchOption,
     StepsOption,
@@ -95,6 +98,7 @@ def probe(
     timeout: TimeoutOption = None,
     min_free_memory: MinFreeMemoryOption = None,
     json_output: JsonOption = False,
+    save: SaveOption = None,
     publish: PublishOption = None,
     search: SearchOption = "predict",
     objective: ObjectiveOption = "memory",
@@ -120,16 +124,29 @@ def probe(
     another holds it, this one waits (or, with --no-wait, exits 1 naming it)."""
     request, settings, seconds = probe_request(dict(locals()))
     result = run_with_progress(request, in_process, seconds, wait=wait)
-    _report(result, json_output=json_output, plot=plot, publish=publish, settings=settings)
+    _report(result, json_output=json_output, save=save, plot=plot, publish=publish, settings=settings)
 
 
 def _report(
-    result: ProbeResult, *, json_output: bool, plot: str | None, publish: str | None, settings: Settings
+    result: ProbeResult,
+    *,
+    json_output: bool,
+    save: str | None,
+    plot: str | None,
+    publish: str | None,
+    settings: Settings,
 ) -> None:
+    if save is not None:
+        from autotune.results import save_result
+
+        try:
+            save_result(result, save)
+        except OSError as exc:
+            raise ConfigError(f"--save {save!r}: the result could not be written ({exc.strerror or exc})") from None
     if json_output:
         emit_json(result.model_dump_json(indent=2))
     else:
-        print_summary(result)
+        print_summary(result, saved=save)
     if plot is not None:
         from autotune.plot import write_plot
 
@@ -153,6 +170,8 @@ def probe_request(flags: dict[str, Any]) -> tuple[ProbeRequest, Settings, float]
     pairs = check_options(flags["option"])
     fields = _request_fields(flags)
     check_probe_relations(flags)
+    if flags["save"] is not None:
+        check_save_path(flags["save"])
     if flags["plot"] is not None:
         from autotune.plot import check_plot_path, require_matplotlib
 
@@ -210,3 +229,19 @@ def _request_fields(flags: dict[str, Any]) -> dict[str, Any]:
             )
         },
     )
+
+
+def check_save_path(text: str) -> Path:
+    """Where --save will write, refused before the probe spends minutes when it cannot be."""
+    if not text.strip():
+        raise ConfigError("--save is empty: give the file to write, for example --save result.json")
+    target = Path(text).expanduser()
+    if target.is_dir():
+        raise ConfigError(f"--save {text!r} is a directory: name a file in it, for example {target / 'result.json'}")
+    parent = target.parent
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise ConfigError(f"--save {text!r}: {parent} {what}: create it first or save the result elsewhere")
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"--save {text!r}: {parent} is not writable by this user: save the result elsewhere")
+    return target

@@ -6,6 +6,7 @@ Lines are rich markup with user text escaped, except where a function says plain
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -75,11 +76,19 @@ def plan_lines(p: Plan) -> list[str]:
     if p.verified_for != "unverified":
         what = "one micro-step per optimizer step" if p.verified_for == "one-micro-step" else "gradient accumulation"
         lines.append(f"  micro-batch {p.micro_batch} verified for {what}")
+    else:
+        lines.append(
+            f"  unverified: the maximum {p.max_micro_batch} was given, not probed; verify it in the job's loop with "
+            f"`autotune probe TARGET --effective-batch {p.effective_batch}"
+            + (f" --world-size {p.world_size}" if p.world_size > 1 else "")
+            + "` (or autotune.probe_workload in Python)"
+        )
     lines += [f"  [yellow]warning:[/] {escape(w)}" for w in p.warnings]
     return lines
 
 
-def print_summary(result: ProbeResult) -> None:
+def print_summary(result: ProbeResult, saved: str | None = None) -> None:
+    """The result for people; `saved`: the file --save wrote, which the closing lines load."""
     at = result.trial_at_answer
     single = result.max_micro_batch_without_accumulation
     if result.max_micro_batch is None:
@@ -115,9 +124,7 @@ def print_summary(result: ProbeResult) -> None:
     failed = next((t for t in result.evidence() if t.batch == above and not t.fits), None)
     if failed is not None:
         out.print(f"  {failed.batch} ran out of memory: {escape(failed.oom_message or '')}")
-    out.print(
-        f"  {len(result.trials)} trials in {result.duration_seconds:.1f} s; fingerprint {result.fingerprint[:16]}"
-    )
+    out.print(f"  {escape(time_words(result))}; fingerprint {result.fingerprint[:16]}")
     compared = result.allocator_comparison
     if compared is not None:
         out.print(f"  {escape(_comparison_words(result, compared))}", highlight=False)
@@ -130,6 +137,33 @@ def print_summary(result: ProbeResult) -> None:
     if result.plan is not None:
         for line in plan_lines(result.plan):
             out.print(line)
+        for line in python_lines(saved):
+            out.print(line, highlight=False, markup=False)
+
+
+def python_lines(saved: str | None) -> list[str]:
+    """How to run the plan in a script: three lines to paste (the file --save wrote, or where to save it)."""
+    path = saved if saved is not None else "result.json"
+    lines = [
+        "in Python" + (":" if saved is not None else f" (probe again with --save {path} to keep this result):"),
+        f"  plan = autotune.load_result({json.dumps(path)}).plan",
+        "  loader = DataLoader(dataset, batch_sampler=plan.sampler(len(dataset), shuffle=True))",
+        "  for step in autotune.accumulate(loader, plan): ...  # step.batch, step.scale(loss).backward(), "
+        "step.should_step",
+    ]
+    return lines
+
+
+def time_words(result: ProbeResult) -> str:
+    """Where the time went: the search, the fresh-process confirmation, and both together."""
+    searched = f"{len(result.trials)} trials in {result.duration_seconds:.1f} s"
+    c = result.confirmation
+    if c is None or c.status == "skipped" or not c.runs:
+        return searched
+    return (
+        f"{searched}, then {c.runs} fresh-process confirmation run(s) in {c.seconds:.1f} s: "
+        f"{result.duration_seconds + c.seconds:.1f} s in all"
+    )
 
 
 def _comparison_words(result: ProbeResult, compared: AllocatorComparison) -> str:
@@ -188,6 +222,8 @@ def _confirmation_lines(result: ProbeResult) -> list[str]:
         )
     if c.status == "stepped-down":
         lines.append(f"  [yellow]stepped down:[/] {escape(c.note or '')}")
+    if c.status == "mismatch":
+        lines.append(f"  [red]NOT confirmed:[/] {escape(c.note.removeprefix('not confirmed: '))}")
     return lines
 
 

@@ -275,6 +275,9 @@ class BudgetDevice:
     def live_bytes(self) -> int:
         return self._counter.live
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return any(id(storage) in self._counter.sizes for storage in local_storages(tensor))
+
     def peak_allocated_bytes(self) -> int:
         return self._counter.peak
 

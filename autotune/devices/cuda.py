@@ -95,6 +95,9 @@ class CudaDevice:
     def live_bytes(self) -> int:
         return int(torch.cuda.memory_allocated(self.index))
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return tensor.device == self.torch_device
+
     def peak_allocated_bytes(self) -> int:
         return int(torch.cuda.max_memory_allocated(self.index))
 

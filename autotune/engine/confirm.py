@@ -38,10 +38,17 @@ from autotune.errors import NothingFitsError, ProbeError, ProbeTimeoutError
 from autotune.progress import ProgressCallback, TrialProgress, throttled
 from autotune.request import ProbeRequest, TrialCallback, with_plan
 from autotune.results import Confirmation, ConfirmationCheck, LoopShape, ProbeResult, TrialRecord
+from autotune.units import format_bytes
 
 # Micro-steps of an accumulating confirmation run: the second and third both run with gradients
 # alive, so a third shows that nothing grows from one accumulated micro-step to the next.
 CONFIRM_MICRO_STEPS = 3
+# A fresh run repeats the probe's trial at the same size: its peak allocated bytes must agree with the
+# probe's within this fraction (or PEAK_SLACK_BYTES, for workspaces a fresh CUDA context allocates at
+# other moments). Further apart, the step does not repeat what the probe measured (state kept between
+# calls, a cache, shapes that depend on the process) and the answer is flagged, not confirmed.
+PEAK_TOLERANCE = 0.10
+PEAK_SLACK_BYTES = 1 << 20
 # Checks: each answer and the plan once, and again after a step-down lowers one (at most two
 # lowerings per loop kind can change what the plan runs); more is a bug.
 MAX_CHECKS = 8
@@ -109,6 +116,35 @@ def lowered(result: ProbeResult, request: ProbeRequest, accumulates: bool, confi
     return with_plan(updated, request)
 
 
+def probe_peak(result: ProbeResult, batch: int, loop: LoopShape) -> int | None:
+    """The probe's peak allocated bytes at `batch` in `loop`'s kind (accumulating or not), if it ran one."""
+    peaks = [
+        t.peak_allocated_bytes
+        for t in result.trials
+        if t.batch == batch
+        and t.fits
+        and t.peak_allocated_bytes is not None
+        and (t.micro_steps > 1) == loop.accumulates
+        and t.prefetch == loop.prefetch
+    ]
+    return max(peaks) if peaks else None
+
+
+def peak_mismatch(name: str, batch: int, fresh_peak: int | None, probe_peak: int | None) -> str | None:
+    """Why a fresh run that fitted does not confirm the probe: peaks further apart than the tolerance."""
+    if probe_peak is None or fresh_peak is None:
+        return None
+    apart = abs(fresh_peak - probe_peak)
+    if apart <= max(PEAK_TOLERANCE * probe_peak, PEAK_SLACK_BYTES):
+        return None
+    return (
+        f"{name} {batch}: the fresh process peaked at {format_bytes(fresh_peak)}, the probe at "
+        f"{format_bytes(probe_peak)} ({apart / max(probe_peak, 1):.0%} apart; the tolerance is "
+        f"{PEAK_TOLERANCE:.0%} or {format_bytes(PEAK_SLACK_BYTES)}): the step does not repeat what the probe measured "
+        "(state kept between calls, a cache, shapes that depend on the process?), so its fitting there confirms nothing"
+    )
+
+
 def confirm_answers(
     result: ProbeResult, request: ProbeRequest, fresh_run: FreshRun, on_run: RunCallback | None = None
 ) -> ProbeResult:
@@ -143,13 +179,24 @@ def confirm_answers(
 
         confirmed: int | None
         first = run(batch)
+        probe_peak_bytes = probe_peak(result, batch, loop)
+        mismatch: str | None = None
         if first.fits:
             confirmed = batch
+            mismatch = peak_mismatch(name, batch, first.peak_allocated_bytes, probe_peak_bytes)
         else:
             stepped = True
             confirmed = _step_down(run, first, result.limit_bytes, result.granularity)
         checks.append(
-            ConfirmationCheck(answer=name, loop=loop, searched=batch, confirmed=confirmed, runs=runs)  # type: ignore[arg-type]
+            ConfirmationCheck(
+                answer=name,  # type: ignore[arg-type]
+                loop=loop,
+                searched=batch,
+                confirmed=confirmed,
+                runs=runs,
+                probe_peak_bytes=probe_peak_bytes,
+                mismatch=mismatch,
+            )
         )
         if confirmed is None:
             raise NothingFitsError(
@@ -163,14 +210,19 @@ def confirm_answers(
             result = lowered(result, request, loop.accumulates, confirmed)
     else:
         raise ProbeError("the fresh-process confirmation did not settle: report this as a bug")
-    note = (
-        "every answer fitted in a fresh process"
-        if not stepped
-        else "an answer ran out of memory in a fresh process and was lowered to the largest size that passed there"
-    )
+    mismatches = [c.mismatch for c in checks if c.mismatch]
+    if stepped:
+        status, note = (
+            "stepped-down",
+            ("an answer ran out of memory in a fresh process and was lowered to the largest size that passed there"),
+        )
+    elif mismatches:
+        status, note = "mismatch", "not confirmed: " + "; ".join(mismatches)
+    else:
+        status, note = "passed", "every answer fitted in a fresh process"
     confirmation = Confirmation(
-        status="stepped-down" if stepped else "passed",
-        passed=not stepped,
+        status=status,  # type: ignore[arg-type]
+        passed=status == "passed",
         steps=request.confirmation_steps(result.device.kind),
         checks=checks,
         seconds=time.perf_counter() - started,
@@ -324,14 +376,18 @@ def _child(answer_fd: int) -> None:
             pipe.write(json.dumps({"progress": progress.model_dump(mode="json")}) + "\n")
             pipe.flush()
 
-        try:
-            answer = {"trial": _one_trial(job, throttled(send)).model_dump(mode="json")}
-        except errors.AutotuneError as exc:
-            answer = {"error": errors.report(exc, with_traceback=True)}
-        except Exception as exc:  # noqa: BLE001 - reported to the parent as a failed confirmation
-            from autotune.workloads.usercode import unexpected
+        from autotune.workloads import usercode
 
-            answer = {"error": errors.report(unexpected(exc), with_traceback=True)}
+        # As in the isolated search's child: a KeyboardInterrupt with no SIGINT is the workload's error.
+        with usercode.telling_interrupts_apart():
+            try:
+                answer = {"trial": _one_trial(job, throttled(send)).model_dump(mode="json")}
+            except errors.AutotuneError as exc:
+                answer = {"error": errors.report(exc, with_traceback=True)}
+            except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - reported to the parent as a failed confirmation
+                if not isinstance(exc, Exception) and not usercode.raised_by_code(exc):
+                    raise
+                answer = {"error": errors.report(usercode.unexpected(exc), with_traceback=True)}
         pipe.write(json.dumps(answer) + "\n")
 
 

@@ -25,6 +25,7 @@ failed step's tensors.
 from __future__ import annotations
 
 import gc
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -38,7 +39,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from autotune import parallel
 from autotune.devices.device import ProbeDevice
 from autotune.engine import oom
-from autotune.errors import NotAnOOMError, NothingFitsError
+from autotune.errors import LeakError, NotAnOOMError, NothingFitsError
 from autotune.progress import ProgressCallback, TrialProgress
 from autotune.results import AllocatorState, LoopShape, TrialFailure, TrialRecord
 from autotune.units import format_bytes
@@ -50,6 +51,11 @@ from autotune.workloads.workload import Precision, Workload
 # and at most --max-steps.
 SETTLE_MIN_STEPS = 3
 DEFAULT_MAX_STEPS = 10
+# A job's live memory after each optimizer step is the same from step 2 on (parameters, optimizer
+# state, the loader's held batches). Growth at every step is a leak (a kept loss holds its graph);
+# it takes this many steps, two increases in a row, to call it one: a single increase can be a
+# cache built once.
+LEAK_EVIDENCE_STEPS = 3
 
 _AUTOCAST = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 
@@ -90,6 +96,7 @@ class TrialRunner:
         # is a memory_stats() call, and step_budget is asked at every micro-step).
         self.settles = device.allocator_state() is not None
         self.states: list[AllocatorState] = []  # the allocator after each step of the running trial
+        self.live_after_steps: list[int] = []  # live bytes after each step of the running trial
         self.steps_run = 0
         self.workload = workload
         self.device = device
@@ -127,7 +134,7 @@ class TrialRunner:
         """One trial of `loop` at micro-batch `batch`, undone afterwards."""
         self.device.reset_peak()
         started = self._trial_started = time.perf_counter()
-        self.states, self.steps_run = [], 0
+        self.states, self.live_after_steps, self.steps_run = [], [], 0
         step_seconds: float | None = None
         failure: str | None = None
         kind: TrialFailure | None = None
@@ -137,7 +144,9 @@ class TrialRunner:
             with self.device.active(), self._marking_roles():
                 step_seconds = self._train_loop(batch, loop)
             kind, failure = self.unsettled(loop)
-        except Exception as exc:  # noqa: BLE001 - classified right here; non-OOMs stop the probe
+        except BaseException as exc:  # classified right here; non-OOMs stop the probe
+            if not isinstance(exc, Exception) and not usercode.raised_by_code(exc):
+                raise  # Ctrl-C, SIGTERM, an exit: not the workload's error
             reason = oom.classify(exc)
             if reason is not None and reason.kind is oom.OOMKind.OOM:
                 kind, failure = "oom", reason.message
@@ -152,11 +161,14 @@ class TrialRunner:
             if not_oom is not None:
                 details = usercode.formatted(exc)  # for --debug; before release() clears the frames
             oom.release(exc)
+        leak = None if not_oom is not None else self.leak(batch, ran_out=kind == "oom")
         seconds = time.perf_counter() - started
         peak_allocated = self.device.peak_allocated_bytes()
         peak_reserved = self.device.peak_reserved_bytes()
         breakdown = self.device.peak_breakdown()
         self.recover()
+        if leak is not None:
+            raise leak
         if not_oom is not None:
             error = NotAnOOMError(f"batch {batch} failed with {not_oom}", batch=batch, original=not_oom)
             error.traceback = details
@@ -253,6 +265,7 @@ class TrialRunner:
         """Record the allocator's state after an optimizer step of a trial at `batch`, and tell the
         caller's `on_step` (every loop calls it after each optimizer step)."""
         self.steps_run += 1
+        self.live_after_steps.append(self.device.live_bytes())
         state = self.device.allocator_state()
         if state is not None:
             self.states.append(state)
@@ -269,7 +282,7 @@ class TrialRunner:
     def step_budget(self, loop: LoopShape) -> int:
         """The most optimizer steps a trial of `loop` may run."""
         if not self.settles:
-            return loop.steps
+            return max(loop.steps, LEAK_EVIDENCE_STEPS)  # the steps past loop.steps run only while memory grows
         # Two steps past the asked ones: a run of 20 steps (a confirmation) may still settle.
         return max(loop.steps + 2, SETTLE_MIN_STEPS, self.max_steps)
 
@@ -289,8 +302,36 @@ class TrialRunner:
         return len(states) >= 3 and states[-1].retries > states[-2].retries > states[-3].retries
 
     def done(self, loop: LoopShape) -> bool:
-        """Whether a loop should stop after the step just run: settled, or thrashing (no use waiting)."""
+        """Whether a loop should stop after the step just run: settled, or thrashing (no use waiting);
+        never while memory has grown at every step but the evidence of a leak is still short."""
+        if self.growing() and len(self.live_after_steps) < LEAK_EVIDENCE_STEPS:
+            return False
         return self.settled(loop) or (self.steps_run >= SETTLE_MIN_STEPS and self.thrashing())
+
+    # Leaks -----------------------------------------------------------------------------------
+    def growing(self) -> bool:
+        """Whether live memory grew at every optimizer step of the running trial after its first."""
+        live = self.live_after_steps
+        return len(live) >= 2 and all(later > earlier for earlier, later in itertools.pairwise(live))
+
+    def leak(self, batch: int, *, ran_out: bool) -> LeakError | None:
+        """The running trial's leak, if it showed one: growth at every step, two increases in a row
+        (one, when the growth then ran out of memory)."""
+        live = self.live_after_steps
+        if not self.growing() or (len(live) < LEAK_EVIDENCE_STEPS and not ran_out):
+            return None
+        per_step = (live[-1] - live[0]) // (len(live) - 1)
+        after = ", ".join(f"{format_bytes(b)} after step {i}" for i, b in enumerate(live, 1))
+        error = LeakError(
+            f"the workload leaks memory: live memory after each optimizer step grew by {format_bytes(per_step)} per "
+            f"step at micro-batch {batch} ({after}){' and then ran out of memory' if ran_out else ''}; a run's "
+            "memory would grow until it runs out, so no micro-batch holds for it. "
+            f"{_surviving_tensors(self.device, self._state)}"
+            "Keep no reference to a step's tensors past the step (a list of losses or outputs: keep loss.item() "
+            "or out.detach().cpu() instead)"
+        )
+        error.bytes_per_step = per_step
+        return error
 
     def unsettled(self, loop: LoopShape) -> tuple[TrialFailure | None, str | None]:
         """Why a trial that raised nothing still does not fit: thrashing, or an allocator still moving."""
@@ -318,7 +359,7 @@ class TrialRunner:
                 TrialProgress(
                     batch=batch,
                     step=step + 1,
-                    steps=self.step_budget(loop),
+                    steps=self.step_budget(loop) if self.settles else max(loop.steps, step + 1),
                     micro_step=micro + 1,
                     micro_steps=loop.micro_steps,
                     seconds=time.perf_counter() - self._trial_started,
@@ -342,6 +383,29 @@ class TrialRunner:
             self.device.empty_cache()
         self.device.reset_peak()
         self.last_leak_bytes = self.device.live_bytes() - self.baseline_bytes
+
+
+def _surviving_tensors(device: ProbeDevice, own: list[torch.Tensor], shown: int = 3) -> str:
+    """The largest kinds of tensor on `device` that Python still references, other than the model's
+    own: where a leak's memory went."""
+    owned = {t.untyped_storage().data_ptr() for t in own}
+    storages: dict[int, torch.Tensor] = {}
+    for obj in gc.get_objects():
+        # type(), not isinstance: some objects (torch.distributed's deprecated aliases) warn on __class__.
+        if issubclass(type(obj), torch.Tensor) and not issubclass(type(obj), nn.Parameter) and device.holds(obj):
+            pointer = obj.untyped_storage().data_ptr()
+            if pointer not in owned and obj.numel():
+                storages.setdefault(pointer, obj)
+    kinds: dict[str, list[int]] = {}
+    for tensor in storages.values():
+        made_by = f", grad_fn {type(tensor.grad_fn).__name__}" if tensor.grad_fn is not None else ""
+        kind = f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}{made_by}"
+        kinds.setdefault(kind, []).append(tensor.untyped_storage().nbytes())
+    largest = sorted(kinds.items(), key=lambda item: sum(item[1]), reverse=True)[:shown]
+    if not largest:
+        return ""
+    described = [f"{len(sizes)} x {kind} ({format_bytes(sum(sizes))} in all)" for kind, sizes in largest]
+    return f"Tensors still alive, the largest kinds: {'; '.join(described)}. "
 
 
 def _build(workload: Workload, device: ProbeDevice) -> nn.Module:

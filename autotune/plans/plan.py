@@ -10,11 +10,14 @@ size. Pure arithmetic: no torch, no I/O.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field
 
 from autotune.errors import PlanError
+
+if TYPE_CHECKING:
+    from autotune.plans.sampler import PlanBatchSampler
 
 
 class Policy(StrEnum):
@@ -41,8 +44,19 @@ class Plan(BaseModel):
     verified_for: Literal["one-micro-step", "accumulation", "unverified"] = Field(
         default="unverified",
         description="The loop the micro-batch was verified for by a probe: one micro-step per optimizer step, "
-        "or accumulation (gradients alive during forward); unverified when the maximum was given by hand.",
+        "or accumulation (gradients alive during forward); unverified when the maximum was given by hand: "
+        "probe the job (`autotune probe TARGET --effective-batch E`, or `probe_workload`) to verify it.",
     )
+
+    def sampler(
+        self, source: int | Any, *, shuffle: bool = False, generator: Any = None, drop_last: bool = False
+    ) -> PlanBatchSampler:
+        """A batch sampler that gives a DataLoader this plan's micro-batches, window after window:
+        `DataLoader(dataset, batch_sampler=plan.sampler(len(dataset), shuffle=True))`. `source`: the
+        dataset's length, or a sampler of indices (a DistributedSampler for this rank's share)."""
+        from autotune.plans.sampler import PlanBatchSampler
+
+        return PlanBatchSampler(source, self, shuffle=shuffle, generator=generator, drop_last=drop_last)
 
 
 def parse_policy(policy: Policy | str) -> Policy:

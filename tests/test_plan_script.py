@@ -1,0 +1,47 @@
+"""The README's way from the command line to a training script, run as written: `autotune probe ...
+--save result.json`, then the Python block that loads the plan and trains with it; every optimizer
+step sees exactly the effective batch."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.docs_text import section
+
+BIN = Path(sys.executable).parent
+SECTION = section("README.md", "Using the plan in your training loop")
+
+
+def test_the_saved_plan_trains_a_script_with_exactly_the_effective_batch(tmp_path: Path) -> None:
+    (command,) = re.findall(r"```console\n\$ (.*?)\n```", SECTION)
+    args = shlex.split(command)
+    assert args[0] == "autotune" and "--save" in args
+    probe = subprocess.run(
+        [str(BIN / "autotune"), *args[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert probe.returncode == 0, probe.stderr
+    # The summary ends with the lines the README's block is built from.
+    assert 'plan = autotune.load_result("result.json").plan' in probe.stdout
+    block = re.findall(r"```python\n(.*?)```", SECTION, re.S)[0]
+    assert 'autotune.load_result("result.json")' in block
+    # Counted around the README's code: the samples each optimizer step saw.
+    counted = "\n".join(
+        [
+            "    seen.append(step.count)",
+            "    if step.should_step:",
+            "        steps.append(sum(seen))",
+            "        seen.clear()",
+        ]
+    )
+    counting = block.replace("    if step.should_step:", counted)
+    script = "seen, steps = [], []\n" + counting + "\nprint(steps, plan.micro_batches)\n"
+    ran = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert ran.returncode == 0, ran.stderr
+    steps = eval(ran.stdout.split("]", 1)[0] + "]")
+    assert steps == [100, 100], ran.stdout
