@@ -398,9 +398,11 @@ def test_accepted_inputs_reach_the_probe_as_given(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     seen: list[tuple[object, bool, float]] = []
+    waits: list[bool] = []
 
-    def stop(request: object, in_process: bool, timeout: float) -> None:
+    def stop(request: object, in_process: bool, timeout: float, *, wait: bool) -> None:
         seen.append((request, in_process, timeout))
+        waits.append(wait)
         raise SystemExit(0)
 
     monkeypatch.setattr(probe_command, "run_with_progress", stop)
@@ -412,8 +414,9 @@ def test_accepted_inputs_reach_the_probe_as_given(
     with pytest.raises(SystemExit):
         cli.run([*args, "--timeout", "1.5"])
     with pytest.raises(SystemExit):
-        cli.run([*PROBE, "--search", "plain", "--start-batch", "64"])
+        cli.run([*PROBE, "--search", "plain", "--start-batch", "64", "--no-wait"])
     (first, in_process, timeout), (_, isolated, given), (plain, _, _) = seen
+    assert waits == [True, True, False]
     assert (first.min_free_memory, first.memory, first.headroom) == (0, 64 * 2**20, 0.0)  # type: ignore[attr-defined]
     assert first.options == {"hidden": 8} and in_process and not isolated  # type: ignore[attr-defined]
     assert (timeout, given) == (60.0, 1.5)
