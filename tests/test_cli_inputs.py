@@ -65,6 +65,9 @@ ROWS: list[tuple[tuple[str, ...], dict[str, str], int, tuple[str, ...]]] = [
     ((*PROBE, "--plot", ""), {}, 2, ("--plot is empty",)),
     ((*PROBE, "--plot", "x.gif"), {}, 2, ("--plot 'x.gif'", "name the file x.png")),
     ((*PROBE, "--plot", "/proc/p.png"), {}, 2, ("--plot '/proc/p.png' cannot be written",)),
+    ((*PROBE, "--save", "/nonexistent/dir/r.json"), {}, 2, ("--save", "/nonexistent/dir does not exist")),
+    ((*PROBE, "--save", DIRECTORY), {}, 2, ("--save", "is a directory")),
+    ((*PROBE, "--save", ""), {}, 2, ("--save is empty",)),
     # timeouts: nan crashed, 0 meant 900 s, -1 was accepted
     ((*PROBE, "--timeout", "nan"), {}, 2, ("--timeout nan is not a number of seconds above 0",)),
     ((*PROBE, "--timeout", "0"), {}, 2, ("--timeout 0 is not",)),

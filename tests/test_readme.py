@@ -133,6 +133,9 @@ COMMANDS_RUN_BY = {
 }
 # (page, command without its comment) -> why no test runs it.
 NOT_RUN = {
+    ("docs/measurements.md", ".venv/bin/python bench/confirm.py --runs 5"): (
+        "a benchmark of wall seconds (a measurement, dated); tests/test_zygote.py tests the fork server itself"
+    ),
     ("docs/measurements.md", "make bench"): (
         "the benchmark itself (7 minutes); tests/test_readme_figures.py reruns its deterministic rows"
     ),
