@@ -168,6 +168,11 @@ class TrialRecord(BaseModel):
         description="Highest bytes held by the allocator (CUDA caching allocator; the budget device has no cache).",
     )
     seconds: float = Field(ge=0, description="Wall time of the whole trial.")
+    process_seconds: float | None = Field(
+        default=None,
+        description="For a fresh-process confirmation run: wall time from starting its process to its answer "
+        "(what the progress lines count); None for the search's trials.",
+    )
     step_seconds: float | None = Field(
         default=None,
         description="Wall time per micro-step of the last (steady-state) optimizer step, for fitting trials.",

@@ -215,7 +215,7 @@ def _confirmation_lines(result: ProbeResult) -> list[str]:
         return [f"  {escape(c.note or '')}"]
     lines = []
     for check in c.checks:
-        sizes = ", ".join(f"{r.batch} {'fits' if r.fits else 'OOM'}" for r in check.runs)
+        sizes = ", ".join(f"{r.batch} {'fits' if r.fits else 'OOM'}{_run_seconds(r)}" for r in check.runs)
         lines.append(
             f"  confirmed in a fresh process: {check.answer} {check.confirmed} "
             f"({check.loop.micro_steps} micro-step(s) × {check.loop.steps} optimizer steps; runs: {sizes})"
@@ -225,6 +225,13 @@ def _confirmation_lines(result: ProbeResult) -> list[str]:
     if c.status == "mismatch":
         lines.append(f"  [red]NOT confirmed:[/] {escape(c.note.removeprefix('not confirmed: '))}")
     return lines
+
+
+def _run_seconds(run: TrialRecord) -> str:
+    """A fresh run's time as its progress lines counted it: from its process's start."""
+    if run.process_seconds is None:
+        return ""
+    return f" in {run.process_seconds:.1f} s, {run.seconds:.1f} s of it training"
 
 
 def predicted_words(predicted: int) -> str:

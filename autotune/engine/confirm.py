@@ -350,7 +350,9 @@ def run_fresh(job: FreshRunRequest, timeout: float, on_progress: ProgressCallbac
         raise errors.from_report(
             answer["error"], message=f"confirmation in a fresh process: {answer['error'].get('message')}"
         )
-    return TrialRecord.model_validate(answer["trial"])
+    record = TrialRecord.model_validate(answer["trial"])
+    # The progress lines count from the process's start: the record says that time too.
+    return record.model_copy(update={"process_seconds": time.monotonic() - launched})
 
 
 def _drain(fd: int, chunks: list[bytes], on_progress: ProgressCallback | None) -> None:
@@ -384,7 +386,7 @@ def _child(answer_fd: int) -> None:
                 answer = {"trial": _one_trial(job, throttled(send)).model_dump(mode="json")}
             except errors.AutotuneError as exc:
                 answer = {"error": errors.report(exc, with_traceback=True)}
-            except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - reported to the parent as a failed confirmation
+            except (Exception, KeyboardInterrupt) as exc:  # reported to the parent as a failed confirmation
                 if not isinstance(exc, Exception) and not usercode.raised_by_code(exc):
                     raise
                 answer = {"error": errors.report(usercode.unexpected(exc), with_traceback=True)}
