@@ -31,3 +31,27 @@ def hangs_when_confirmed() -> Workload:
         loss=lambda model, x: model(x).square().mean(),
         optimizer="sgd",
     )
+
+
+def interrupts_itself(where: str = "loss") -> Workload:
+    """Raises KeyboardInterrupt from its own code, no signal sent: in its loss from batch 2 on
+    (`where=loss`), while building its model (`build`), or in its loss in the fresh-process
+    confirmation alone (`confirm`)."""
+
+    def build() -> nn.Module:
+        if where == "build":
+            raise KeyboardInterrupt  # while building
+        return nn.Linear(8, 8)
+
+    def loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if (where == "loss" and x.shape[0] >= 2) or (where == "confirm" and _in_confirmation()):
+            raise KeyboardInterrupt  # in the loss
+        return model(x).square().mean()
+
+    return Workload(
+        name="interrupts-itself",
+        build_model=build,
+        make_batch=lambda b, device: torch.randn(b, 8, device=device),
+        loss=loss,
+        optimizer="sgd",
+    )

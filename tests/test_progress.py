@@ -189,3 +189,77 @@ def test_piped_output_says_a_long_step_is_still_running(
     assert len(still) >= 2, stderr
     seconds = [float(s) for s in still]
     assert seconds == sorted(seconds) and seconds[-1] > seconds[0]
+
+
+def _raised_at(marker: str) -> str:
+    """`tests/progress_workloads.py:LINE`, the line of the workload's `raise KeyboardInterrupt  # marker`."""
+    source = (ROOT / "tests" / "progress_workloads.py").read_text().splitlines()
+    (line,) = [n for n, text in enumerate(source, 1) if text.strip() == f"raise KeyboardInterrupt  # {marker}"]
+    return f"tests/progress_workloads.py:{line}"
+
+
+LOSS_ERROR = "batch 2 failed with an error that is not out-of-memory: KeyboardInterrupt (at {loss} in loss)"
+BUILD_ERROR = "workload error: KeyboardInterrupt (at {build} in build)"
+
+
+@pytest.mark.parametrize(
+    ("command", "said"),
+    [
+        (("probe", "-o", "where=loss", *TINY), "probe failed: " + LOSS_ERROR),
+        (("probe", "-o", "where=loss", *TINY, "--in-process"), "probe failed: " + LOSS_ERROR),
+        (("probe", "-o", "where=build", *TINY), "probe failed: " + BUILD_ERROR),
+        (("probe", "-o", "where=build", *TINY, "--in-process"), "probe failed: " + BUILD_ERROR),
+        (("probe", "-o", "where=confirm", *TINY), "probe failed: confirmation in a fresh process: " + LOSS_ERROR),
+        (("estimate", "-o", "where=build", "--memory", "64MiB", "--overhead", "0"), "estimate failed: " + BUILD_ERROR),
+    ],
+    ids=["loss", "loss-in-process", "build", "build-in-process", "confirmation", "estimate"],
+)
+def test_a_keyboard_interrupt_the_workload_raises_is_its_error_not_a_signal(
+    command: tuple[str, ...], said: str
+) -> None:
+    """No signal was sent: one line naming the file and line where the workload raised it, exit 1,
+    no traceback, and not 'interrupted ... by Ctrl-C'."""
+    name, *flags = command
+    proc = subprocess.run(
+        [AUTOTUNE, name, "tests.progress_workloads:interrupts_itself", *flags, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        check=False,
+        # As a terminal's command has it: SIGINT raises KeyboardInterrupt (a background job's ignores it).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    expected = said.format(loss=_raised_at("in the loss"), build=_raised_at("while building"))
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and "interrupted" not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines()[-1] == expected
+    error = json.loads(proc.stdout)["error"]
+    assert error["exit_code"] == 1 and error["message"] == expected.split(" failed: ", 1)[1]
+
+
+def test_ctrl_c_during_an_in_process_trial_is_still_an_interrupt() -> None:
+    """The trial runs in the command's own process: a real SIGINT there is Ctrl-C, not the workload's error."""
+    proc = subprocess.Popen(
+        [AUTOTUNE, "probe", "tests.workloads:hangs", *TINY, "--in-process"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        stderr = _Stderr(proc)
+        stderr.wait_for(r"trial +2: batch +2 step 1/2.*\n")
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _, rest = proc.communicate(timeout=30)
+    text = stderr.text + rest.decode()
+    assert proc.returncode == 130, text
+    assert "Traceback" not in text
+    assert text.splitlines()[-1] == (
+        "interrupted after 1 trial (batch 2 was running, step 1/2) by Ctrl-C (SIGINT); "
+        "the probe's processes have exited"
+    )

@@ -99,6 +99,13 @@ def run(args: Sequence[str]) -> int:
     # "probe failed: ...", "estimate failed: ...": the command named, as the user typed it.
     command = next((a for a in (args[: args.index("--")] if "--" in args else args) if not a.startswith("-")), "")
     failed = f"{command} failed" if command == "estimate" else "probe failed"
+    from autotune.workloads.usercode import telling_interrupts_apart
+
+    with telling_interrupts_apart():
+        return _run(args, as_json, failed)
+
+
+def _run(args: list[str], as_json: bool, failed: str) -> int:
     try:
         code = typer.main.get_command(app).main(args, prog_name="autotune", standalone_mode=False)
     except (ConfigError, DeviceError) as exc:  # a device that does not exist here is bad input too

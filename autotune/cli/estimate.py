@@ -60,19 +60,27 @@ def estimate(
 
     from autotune.engine.estimate import CUDA_OVERHEAD_BYTES  # torch: only now
     from autotune.engine.estimate import estimate as run_estimate
+    from autotune.workloads import usercode
 
-    result = run_estimate(
-        target,
-        memory_bytes,
-        options=options_dict(pairs),
-        precision=chosen_precision,
-        optimizer=chosen_optimizer,
-        headroom=room,
-        overhead_bytes=CUDA_OVERHEAD_BYTES if overhead_bytes is None else overhead_bytes,
-        steps=steps,
-        max_batch=max_batch,
-        granularity=granularity,
-    )
+    try:
+        result = run_estimate(
+            target,
+            memory_bytes,
+            options=options_dict(pairs),
+            precision=chosen_precision,
+            optimizer=chosen_optimizer,
+            headroom=room,
+            overhead_bytes=CUDA_OVERHEAD_BYTES if overhead_bytes is None else overhead_bytes,
+            steps=steps,
+            max_batch=max_batch,
+            granularity=granularity,
+        )
+    except KeyboardInterrupt as exc:
+        # The workload's own `raise KeyboardInterrupt` (building its model, say), with no Ctrl-C,
+        # is its error: one line with where it was raised, not the silent exit 130 of an interrupt.
+        if usercode.raised_by_code(exc):
+            raise usercode.unexpected(exc) from None
+        raise
     if json_output:
         emit_json(result.model_dump_json(indent=2))
     else:

@@ -3,7 +3,8 @@ seconds ticking, on a terminal (a live table and a spinner) or as plain lines fo
 line per trial, per new step at most once a second, and a heartbeat while a step runs long).
 
 Ctrl-C or SIGTERM ends the probe's processes first, then raises `ProbeInterrupted`, which `run`
-turns into one line and exit 130 or 143.
+turns into one line and exit 130 or 143. A KeyboardInterrupt that the workload's code raised, with
+no Ctrl-C, is its error (`autotune.workloads.usercode.raised_by_code`), not an interrupt.
 """
 
 from __future__ import annotations
@@ -280,4 +281,8 @@ def run_with_progress(request: ProbeRequest, in_process: bool, timeout: float, *
         try:
             return run_and_show()
         except (KeyboardInterrupt, _Terminated) as exc:
+            from autotune.workloads import usercode
+
+            if usercode.raised_by_code(exc):  # the workload's `raise KeyboardInterrupt` (--in-process), no Ctrl-C
+                raise usercode.unexpected(exc) from None
             raise _interrupted(exc, len(view.trials), view.current) from None

@@ -239,25 +239,30 @@ def _child(answer_fd: int, parent_pid: int) -> None:
             answers.write(json.dumps(message).encode() + b"\n")
             answers.flush()
 
-    try:
-        from autotune.engine.probe import ProbeRequest, run_probe
-        from autotune.progress import throttled
+    from autotune.workloads import usercode
 
-        request = ProbeRequest.model_validate_json(line)
-        result = run_probe(
-            request,
-            on_trial=lambda t: send({"trial": t.model_dump(mode="json")}),
-            on_progress=throttled(lambda p: send({"progress": p.model_dump(mode="json")})),
-        )
-        send({"result": result.model_dump(mode="json")})
-    except errors.AutotuneError as exc:
-        send({"error": errors.report(exc, with_traceback=True)})
-    except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises ProbeError
-        from autotune.workloads.usercode import unexpected
+    # A KeyboardInterrupt here is the workload's error unless a SIGINT was sent to this process:
+    # it runs in a session of its own, so a terminal's Ctrl-C reaches the caller, not this child.
+    with usercode.telling_interrupts_apart():
+        try:
+            from autotune.engine.probe import ProbeRequest, run_probe
+            from autotune.progress import throttled
 
-        send({"error": errors.report(unexpected(exc), with_traceback=True)})
-    finally:
-        answers.close()
+            request = ProbeRequest.model_validate_json(line)
+            result = run_probe(
+                request,
+                on_trial=lambda t: send({"trial": t.model_dump(mode="json")}),
+                on_progress=throttled(lambda p: send({"progress": p.model_dump(mode="json")})),
+            )
+            send({"result": result.model_dump(mode="json")})
+        except errors.AutotuneError as exc:
+            send({"error": errors.report(exc, with_traceback=True)})
+        except (Exception, KeyboardInterrupt) as exc:  # reported to the parent, which raises ProbeError
+            if not isinstance(exc, Exception) and not usercode.raised_by_code(exc):
+                raise
+            send({"error": errors.report(usercode.unexpected(exc), with_traceback=True)})
+        finally:
+            answers.close()
 
 
 def main() -> None:

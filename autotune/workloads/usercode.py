@@ -7,14 +7,23 @@ the standard library's, not an installed package's: torch, transformers), for ex
 `KeyError: 'labels' (at my_job.py:42 in loss)`, and the formatted traceback travels with the error
 (`AutotuneError.traceback`, across the isolated child's pipe too) for `--debug` to print.
 Nothing here imports torch.
+
+A `KeyboardInterrupt` is such an error too when the workload's code raised it: only a SIGINT
+(Ctrl-C) is an interrupt. `telling_interrupts_apart()` remembers whether one arrived, so that
+`raised_by_code` can tell them apart.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sysconfig
+import threading
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import TypeVar
 
 from autotune.errors import AutotuneError, ProbeError
@@ -81,3 +90,43 @@ def unexpected(exc: BaseException) -> ProbeError:
     else:
         message = f"{describe(exc)} (raised outside your code: rerun with --debug for the traceback)"
     return attach(ProbeError(message), exc)
+
+
+class _Interrupts:
+    watching = 0  # 1 inside the outermost telling_interrupts_apart() that watches
+    signalled = False  # a SIGINT arrived while watching
+
+
+def _remember_then_raise(signum: int, frame: FrameType | None) -> None:
+    _Interrupts.signalled = True
+    signal.default_int_handler(signum, frame)
+
+
+@contextmanager
+def telling_interrupts_apart() -> Iterator[None]:
+    """While the block runs, SIGINT still raises KeyboardInterrupt, and is remembered: a
+    KeyboardInterrupt with no SIGINT behind it was raised by code (`raised_by_code`).
+
+    Only where Python's own SIGINT handling is in force (or SIGINT is ignored, or kills the process,
+    so that no KeyboardInterrupt comes from a signal): a caller's own handler may raise it for
+    reasons we cannot see, and outside the main thread no handler can be set. There, every
+    KeyboardInterrupt stays an interrupt."""
+    current = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if _Interrupts.watching or current not in (signal.default_int_handler, signal.SIG_IGN, signal.SIG_DFL):
+        yield  # nested (the outer block watches), a caller's own handler, or not the main thread
+        return
+    if current is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _remember_then_raise)
+    _Interrupts.watching, _Interrupts.signalled = 1, False
+    try:
+        yield
+    finally:
+        _Interrupts.watching, _Interrupts.signalled = 0, False
+        if current is signal.default_int_handler:
+            signal.signal(signal.SIGINT, current)
+
+
+def raised_by_code(exc: BaseException) -> bool:
+    """Whether `exc` is a KeyboardInterrupt that code raised (a workload's `raise KeyboardInterrupt`),
+    not a Ctrl-C: inside `telling_interrupts_apart()`, with no SIGINT arrived."""
+    return isinstance(exc, KeyboardInterrupt) and _Interrupts.watching > 0 and not _Interrupts.signalled
