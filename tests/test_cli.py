@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -102,3 +105,41 @@ def test_json_on_failure_prints_an_error_document_and_the_reason() -> None:
     error = json.loads(proc.stdout)["error"]
     assert error["type"] == "NothingFitsError" and error["exit_code"] == 1
     assert "even batch 1 does not fit" in error["message"] and error["limit_bytes"] > 0
+
+
+@pytest.mark.parametrize("workers", ["1", "3"])
+def test_serve_refuses_a_host_or_port_it_cannot_listen_on(workers: str, tmp_path: Path) -> None:
+    """One line naming --host or --port, what is wrong and the fix, exit 2, before uvicorn starts
+    (no words of its own), with one worker or several."""
+    env = {**os.environ, "AUTOTUNE_DB": f"sqlite:///{tmp_path / 'autotune.db'}"}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cases = [
+            (
+                ("--host", "999.1.1.1"),
+                r"error: --host 999\.1\.1\.1: not an IP address or a name that resolves \(.+\); give one of this "
+                r"machine's addresses, 127\.0\.0\.1 \(this machine alone\) or 0\.0\.0\.0 \(every interface\)",
+            ),
+            (
+                ("--host", "192.0.2.1"),  # TEST-NET-1: an address, never this machine's
+                r"error: --host 192\.0\.2\.1: not an address of this machine \(.+\); give one of its addresses, "
+                r"127\.0\.0\.1 \(this machine alone\) or 0\.0\.0\.0 \(every interface\)",
+            ),
+            (
+                ("--port", str(port)),
+                rf"error: --port {port}: address already in use on 127\.0\.0\.1; pick another port with --port "
+                "or stop the process using it",
+            ),
+        ]
+        for flags, said in cases:
+            proc = subprocess.run(
+                [AUTOTUNE, "serve", *flags, "--workers", workers],
+                capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env, check=False,
+            )  # fmt: skip
+            assert proc.returncode == 2, (flags, proc.stderr)
+            (line,) = proc.stderr.splitlines()
+            assert re.fullmatch(said, line), line
+            assert proc.stdout == ""
+    assert not (tmp_path / "autotune.db").exists()  # refused before the store was opened

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from autotune.cli.app import app, emit_json, err, out
-from autotune.cli.checks import load_settings
+from autotune.cli.checks import check_listen, load_settings
 from autotune.errors import ConfigError
 
 
@@ -41,7 +41,11 @@ def serve(
         ),
     ] = 1,
 ) -> None:
-    """Run the autotune service (AUTOTUNE_* settings; needs the `server` extra)."""
+    """Run the autotune service (AUTOTUNE_* settings; needs the `server` extra).
+
+    Exit codes: 0 when stopped (Ctrl-C, SIGTERM); 2 for bad input: a flag, an AUTOTUNE_* variable,
+    the workloads file or the database, a --host or --port it cannot listen on (not an address of
+    this machine, a port in use), or the server extra missing."""
     load_settings()
     try:
         from api.server import serve as run_server
@@ -49,4 +53,7 @@ def serve(
         raise ConfigError(
             f"the service needs autotune's server extra (fastapi, uvicorn, prometheus-client): {exc}"
         ) from None
+    # Another process may take the port between this check and uvicorn's bind; that one race keeps
+    # uvicorn's own words (exit 3 or 1).
+    check_listen(host, port, workers)
     run_server(host=host, port=port, workers=workers)
