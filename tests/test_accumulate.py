@@ -370,8 +370,10 @@ def test_the_readme_example_runs_and_learns() -> None:
     assert len(losses) == 20
     assert losses[-1] < 0.05 * losses[0]
 
-    # The README shows the example file itself, so what readers copy is what runs here.
-    block = re.search(r"```python\n(.*?)```", section("README.md", "Using the plan in your training loop"), re.DOTALL)
+    # The README shows the example file itself, so what readers copy is what runs here: the block
+    # after the sentence naming it (the section's first block is the saved plan's script).
+    text = section("README.md", "Using the plan in your training loop").split("`examples/accumulate_loop.py`", 1)[1]
+    block = re.search(r"```python\n(.*?)```", text, re.DOTALL)
     assert block is not None
     source = example.read_text(encoding="utf-8")
     assert block.group(1) in source
