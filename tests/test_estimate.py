@@ -21,6 +21,7 @@ from tests.docs_text import console_commands, page
 
 MIB = 2**20
 AUTOTUNE = str(Path(sys.executable).parent / "autotune")
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(
@@ -30,13 +31,19 @@ def test_estimate_with_no_overhead_equals_the_budget_device_probe(name: str, mib
     guess = estimate(name, mib * MIB, overhead_bytes=0, precision=precision)
     probe = run_probe(ProbeRequest(target=name, device="cpu", memory=mib * MIB, precision=precision))
     assert guess.kind == "estimate"
+    # Both of the probe's answers, under the probe's names: one micro-step, and accumulating.
     assert guess.max_micro_batch == probe.max_micro_batch
+    assert guess.max_micro_batch_without_accumulation == probe.max_micro_batch_without_accumulation
+    assert guess.loop == probe.loop and [a.loop for a in guess.answers] == [a.loop for a in probe.answers]
     assert guess.limit_bytes == probe.limit_bytes
     assert guess.predicted_max_micro_batch == guess.max_micro_batch
-    # Fake peaks are real peaks, to the byte: the trials at the answer agree.
-    fake_peak = next(t.peak_allocated_bytes for t in guess.trials if t.batch == guess.max_micro_batch)
-    real_peak = next(t.peak_allocated_bytes for t in probe.loop_trials() if t.batch == probe.max_micro_batch)
-    assert fake_peak == real_peak
+    # Fake peaks are real peaks, to the byte: the trials at each loop's answer agree.
+    for answer in guess.answers:
+        steps, size = answer.loop.micro_steps, answer.max_micro_batch
+        assert answer.prediction is not None and answer.prediction.predicted_max_micro_batch == size
+        fake_peak = next(t.peak_allocated_bytes for t in guess.trials if t.batch == size and t.micro_steps == steps)
+        real_peak = next(t.peak_allocated_bytes for t in probe.loop_trials(steps) if t.batch == size)
+        assert fake_peak == real_peak
 
 
 def test_fp16_runs_under_fake_tensors_despite_the_scalers_item() -> None:
@@ -49,10 +56,26 @@ def test_large_memory_takes_seconds_and_the_curve_brackets_the_answer() -> None:
     assert guess.overhead_bytes == CUDA_OVERHEAD_BYTES
     assert guess.limit_bytes == 80 * 1024 * MIB - int(0.05 * 80 * 1024 * MIB) - CUDA_OVERHEAD_BYTES
     assert guess.max_micro_batch > 1000
-    points = {p.batch: p.peak_bytes for p in guess.curve}
-    assert points[guess.max_micro_batch] <= guess.limit_bytes < points[guess.max_micro_batch + 1]
-    assert [p.batch for p in guess.curve] == sorted(points)
-    assert len(guess.trials) == 4  # two timelines, two confirmations
+    assert guess.max_micro_batch is not None
+    single = guess.max_micro_batch_without_accumulation
+    assert single >= guess.max_micro_batch  # accumulating holds a set of gradients more
+    for curve, answer in ((guess.curve, guess.max_micro_batch), (guess.curve_without_accumulation, single)):
+        points = {p.batch: p.peak_bytes for p in curve}
+        assert points[answer] <= guess.limit_bytes < points[answer + 1]
+        assert [p.batch for p in curve] == sorted(points)
+    assert [p.batch for p in guess.curve] == [p.batch for p in guess.curve_without_accumulation]
+    # Each loop: two timelines, two confirmations.
+    assert [t.micro_steps for t in guess.trials] == [1] * 4 + [2] * 4
+
+
+def test_an_estimate_where_only_one_micro_step_fits_answers_for_it_and_says_why() -> None:
+    """wide at 40 MiB: its weight's second gradient, alive while accumulating, leaves room for no size."""
+    guess = estimate("tests.workloads:wide", 40 * MIB, headroom=0, overhead_bytes=0)
+    probe = run_probe(ProbeRequest(target="tests.workloads:wide", device="cpu", memory=40 * MIB, headroom=0))
+    assert guess.max_micro_batch is None is probe.max_micro_batch
+    assert guess.max_micro_batch_without_accumulation == probe.max_micro_batch_without_accumulation == 511
+    assert guess.accumulation_failure is not None
+    assert guess.accumulation_failure.startswith("no micro-batch fits with accumulation: even batch 1 does not fit")
 
 
 def test_the_fake_model_is_fake_keeps_tied_weights_and_one_mode() -> None:
@@ -92,21 +115,36 @@ def test_memory_below_the_overhead_is_a_config_error() -> None:
         estimate("gpt", 512 * MIB)
 
 
-def test_the_cli_prints_an_estimate_and_json() -> None:
+def test_the_cli_prints_both_answers_in_text_and_json() -> None:
+    """The probe's two answers under the probe's names: one micro-step per optimizer step, and
+    accumulating (`plain` at 1 MiB answers differently for each)."""
+    args = ["tests.predict_workloads:plain", "--memory", "1MiB", "--headroom", "0", "--overhead", "0"]
     proc = subprocess.run(
-        [AUTOTUNE, "estimate", "cnn", "--memory", "64MiB", "--overhead", "0", "--json"],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        [AUTOTUNE, "estimate", *args, "--json"], capture_output=True, text=True, timeout=300, check=False, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stderr
-    result = EstimateResult.model_validate(json.loads(proc.stdout))
-    assert result.max_micro_batch == estimate("cnn", 64 * MIB, overhead_bytes=0).max_micro_batch
+    document = json.loads(proc.stdout)
+    result = EstimateResult.model_validate(document)
+    guess = estimate("tests.predict_workloads:plain", MIB, headroom=0, overhead_bytes=0)
+    assert guess.max_micro_batch is not None
+    assert guess.max_micro_batch < guess.max_micro_batch_without_accumulation  # two answers to tell apart
+    assert document["max_micro_batch"] == guess.max_micro_batch
+    assert document["max_micro_batch_without_accumulation"] == guess.max_micro_batch_without_accumulation
+    assert [a.loop.micro_steps for a in result.answers] == [1, 2] and result.loop.micro_steps == 2
     text = subprocess.run(
-        [AUTOTUNE, "estimate", "gpt", "--memory", "80GiB", "--precision", "bf16"],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        [AUTOTUNE, "estimate", *args], capture_output=True, text=True, timeout=300, check=False, cwd=ROOT
+    )
     assert text.returncode == 0, text.stderr
-    assert "estimated max micro-batch" in text.stdout and "an estimate" in text.stdout
+    lines = text.stdout.splitlines()
+    assert lines[0] == (
+        f"estimated max micro-batch: {guess.max_micro_batch} with gradient accumulation "
+        "(an estimate: fake tensors on the CPU, nothing measured on a GPU)"
+    )
+    assert lines[1] == (
+        f"  without accumulation (one micro-step per optimizer step): {guess.max_micro_batch_without_accumulation}"
+    )
     assert "predicted peak memory" in text.stdout
+    assert "one micro-step" in text.stdout and "with accumulation" in text.stdout  # the table's two columns
 
 
 def test_the_docs_estimate_commands_run_as_written() -> None:
@@ -119,20 +157,25 @@ def test_the_docs_estimate_commands_run_as_written() -> None:
 
 
 def test_the_docs_estimate_table_reproduces() -> None:
-    """docs/estimate.md's estimate column is `autotune estimate NAME --memory 79.2GiB [--precision P]`
-    (fake tensors: the same on any machine with this torch); the probe column is an H100
-    measurement, and the last column their ratio. Each row is estimated again here (about 7 s)."""
+    """docs/estimate.md's estimate columns are `autotune estimate NAME --memory 79.2GiB [--precision P]`
+    (fake tensors: the same on any machine with this torch): `max_micro_batch`, the accumulating
+    loop's answer, and `max_micro_batch_without_accumulation`; the probe column is an H100
+    measurement, and the ratio is the first estimate's to it. Each row is estimated again here."""
     from autotune.units import parse_size
 
     text = page("docs/estimate.md")
-    header = "| workload | probe on the H100 | `autotune estimate --memory 79.2GiB` | estimate vs probe |"
+    header = (
+        "| workload | probe on the H100 | `autotune estimate --memory 79.2GiB` | estimate vs probe "
+        "| estimate without accumulation |"
+    )
     table = text[text.index(header) :].split("\n\n")[0].splitlines()[2:]
     assert len(table) == 5
     for line in table:
-        workload, probed, estimated, ratio = (cell.strip() for cell in line.strip("|").split("|"))
+        workload, probed, estimated, ratio, single = (cell.strip() for cell in line.strip("|").split("|"))
         name, precision = workload.split()
         guess = estimate(name, parse_size("79.2GiB"), precision=precision)
         assert guess.max_micro_batch == int(estimated.replace(",", "")), line
+        assert guess.max_micro_batch_without_accumulation == int(single.replace(",", "")), line
         change = (guess.max_micro_batch / int(probed.replace(",", "")) - 1) * 100
         assert f"{change:+.1f}%".replace("-", "−") == ratio, line
 

@@ -296,27 +296,54 @@ def mixed_plan_lines(p: MixedPlan) -> list[str]:
 
 
 def print_estimate(result: EstimateResult) -> None:
-    out.print(
-        f"[bold]estimated max micro-batch: {result.max_micro_batch}[/]"
-        + (" [yellow](capped)[/]" if result.capped else "")
-        + " (an estimate: fake tensors on the CPU, nothing measured on a GPU)"
-    )
+    """Both loops' answers, named as the probe's summary names them."""
+    single = result.max_micro_batch_without_accumulation
+    estimate = " (an estimate: fake tensors on the CPU, nothing measured on a GPU)"
+    if result.max_micro_batch is None:
+        out.print(
+            f"[bold]estimated max micro-batch: {single}[/] with one micro-step per optimizer step (no accumulation)"
+            + estimate
+        )
+        out.print(f"  [yellow]with gradient accumulation: none fits:[/] {escape(result.accumulation_failure or '')}")
+    else:
+        out.print(
+            f"[bold]estimated max micro-batch: {result.max_micro_batch}[/]"
+            + (" [yellow](capped)[/]" if result.capped else "")
+            + " with gradient accumulation"
+            + estimate
+        )
+        out.print(f"  without accumulation (one micro-step per optimizer step): {single}")
+        out.print(f"  estimated for: {result.loop.describe()}", highlight=False, markup=False)
     out.print(
         f"  memory {format_bytes(result.memory_bytes)} - headroom {format_bytes(result.headroom_bytes)} "
         f"- CUDA overhead {format_bytes(result.overhead_bytes)} = limit {format_bytes(result.limit_bytes)}; "
         f"parameters and buffers {format_bytes(result.state_bytes)}"
     )
-    if result.predicted_max_micro_batch is not None:
-        out.print(f"  the two timeline trials predicted {predicted_words(result.predicted_max_micro_batch)}")
-    if result.fallback_reason:
-        out.print(f"  [yellow]plain search:[/] {escape(result.fallback_reason)}")
-    if result.curve:
+    predicted, fallbacks = [], []
+    for answer in result.answers:
+        loop = "with accumulation" if answer.loop.accumulates else "without accumulation"
+        p = answer.prediction
+        if p is not None and p.predicted_max_micro_batch is not None:
+            predicted.append(f"{predicted_words(p.predicted_max_micro_batch)} {loop}")
+        if p is not None and p.fallback_reason:
+            fallbacks.append(f"  [yellow]plain search {loop}:[/] {escape(p.fallback_reason)}")
+    if predicted:
+        out.print(f"  the timeline trials predicted {', '.join(predicted)}")
+    for line in fallbacks:
+        out.print(line)
+    curves = {"one micro-step": result.curve_without_accumulation, "with accumulation": result.curve}
+    shown = {name: {p.batch: p.peak_bytes for p in points} for name, points in curves.items() if points}
+    if shown:
         table = Table(title="predicted peak memory", title_justify="left")
         table.add_column("micro-batch", justify="right")
-        table.add_column("peak", justify="right")
-        table.add_column("", justify="left")
-        for point in result.curve:
-            mark = "fits" if point.peak_bytes <= result.limit_bytes else "over the limit"
-            table.add_row(str(point.batch), format_bytes(point.peak_bytes), mark)
+        for name in shown:
+            table.add_column(name, justify="right")
+        for batch in sorted({b for peaks in shown.values() for b in peaks}):
+            cells = []
+            for peaks in shown.values():
+                peak = peaks.get(batch)
+                mark = "fits" if peak is not None and peak <= result.limit_bytes else "over the limit"
+                cells.append("-" if peak is None else f"{format_bytes(peak)} {mark}")
+            table.add_row(str(batch), *cells)
         out.print(table)
     out.print(f"  {len(result.trials)} fake trials in {result.seconds:.1f} s")

@@ -6,7 +6,10 @@ torch refuses to mix). Trials then run on the CPU budget device with fake CPU te
 produces a tensor with real sizes and no data, and the budget device counts their storages as it
 counts real ones (fake CPU peaks equal real CPU peaks to the byte). So the estimator is the
 probe itself on a simulated device: the two timeline trials predict the curve and two more
-trials confirm the answer, in seconds, whatever the memory size.
+trials confirm the answer, in seconds, whatever the memory size. Like the probe, it answers for
+two loops, named as the probe names them: `max_micro_batch_without_accumulation` (one micro-step
+per optimizer step) and `max_micro_batch` (accumulating, with a whole set of gradients alive from
+the second micro-step on; none when no size fits that way).
 
 What it cannot see is what a GPU adds beyond the tensors: the CUDA context, cuBLAS/cuDNN
 workspaces and the caching allocator's fragmentation. `CUDA_OVERHEAD_BYTES` is subtracted from the
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 from unittest import mock
@@ -36,10 +39,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autotune.devices.budget import BudgetDevice
 from autotune.engine import probe
-from autotune.engine.predict import predicted_search
+from autotune.engine.predict import CurveModel, predicted_search
 from autotune.engine.trial import TrialRunner
-from autotune.errors import ConfigError, NotAnOOMError, WorkloadError
-from autotune.results import CurvePoint, TrialRecord
+from autotune.errors import ConfigError, NotAnOOMError, NothingFitsError, WorkloadError
+from autotune.results import CurvePoint, LoopAnswer, LoopShape, TrialRecord
 from autotune.settings import get_settings
 from autotune.units import format_bytes
 from autotune.workloads.targets import resolve
@@ -68,12 +71,33 @@ class EstimateResult(BaseModel):
     overhead_bytes: int = Field(description="Subtracted for the CUDA context, workspaces and fragmentation.")
     limit_bytes: int = Field(description="memory - headroom - overhead: the peak the estimate stays under.")
     state_bytes: int = Field(description="Parameters and buffers, before any step.")
-    max_micro_batch: int = Field(description="Largest micro-batch under the limit on the simulated device.")
-    capped: bool = False
-    predicted_max_micro_batch: int | None = Field(description="What the two timeline trials predicted.")
+    max_micro_batch: int | None = Field(
+        description="Largest micro-batch under the limit on the simulated device in a loop that accumulates "
+        "(`loop`: any number of micro-steps per optimizer step), as the probe's `max_micro_batch`; None when "
+        "no size fits with accumulation (`accumulation_failure` says why)."
+    )
+    max_micro_batch_without_accumulation: int = Field(
+        description="Largest micro-batch under the limit with one micro-step per optimizer step, as the probe's."
+    )
+    accumulation_failure: str | None = None
+    loop: LoopShape = Field(description="The loop `max_micro_batch` is for (2 micro-steps stand for any number).")
+    answers: list[LoopAnswer] = Field(
+        description="Each loop's answer with its prediction: one micro-step, then accumulating (as the probe's)."
+    )
+    capped: bool = Field(default=False, description="`max_micro_batch` is --max-batch, which fitted.")
+    predicted_max_micro_batch: int | None = Field(
+        description="What the two timeline trials predicted for the accumulating loop."
+    )
     fallback_reason: str | None = None
-    curve: list[CurvePoint] = Field(default_factory=list, description="Predicted peak bytes by batch size.")
-    trials: list[TrialRecord] = Field(description="Fake-tensor trials (their times are not a GPU's).")
+    curve: list[CurvePoint] = Field(
+        default_factory=list, description="Predicted peak bytes by batch size in the accumulating loop."
+    )
+    curve_without_accumulation: list[CurvePoint] = Field(
+        default_factory=list, description="Predicted peak bytes by batch size with one micro-step."
+    )
+    trials: list[TrialRecord] = Field(
+        description="Fake-tensor trials of both loops, in order (`micro_steps` says which; times are not a GPU's)."
+    )
     seconds: float
 
 
@@ -162,44 +186,56 @@ def estimate(
             f"{format_bytes(overhead_bytes)} leaves nothing: give more --memory or less --overhead"
         )
     device = BudgetDevice(memory_bytes, limit)
+    single = LoopShape(micro_steps=1, steps=steps)
+    accumulating = single.model_copy(update={"micro_steps": probe.ACCUMULATING_MICRO_STEPS})
+    ran: list[TrialRecord] = []
+    answers: list[LoopAnswer] = []
+    models: dict[int, CurveModel] = {}  # by micro-steps: each loop's predicted curve, when it has one
     with fake_execution() as (mode, failures):
         model = fake_model(workload, mode)
         with mode:
-            # The accumulating loop: the answer that holds whatever the plan (see autotune.engine.probe).
-            runner = TrialRunner(workload, device, steps=steps, model=model, micro_steps=probe.ACCUMULATING_MICRO_STEPS)
+            runner = TrialRunner(workload, device, steps=steps, model=model)
+            # Both loops, in the probe's order (see autotune.engine.probe.run_probe).
+            for loop in (single, accumulating):
+                run = runner.trial_fn(loop)
 
-            def trial(batch: int) -> TrialRecord:
+                def trial(batch: int, run: Callable[[int], TrialRecord] = run) -> TrialRecord:
+                    try:
+                        record = run(batch)
+                    finally:
+                        # Every new shape adds cache entries; nothing is reused across batch sizes.
+                        FakeTensorMode.cache_clear()
+                    ran.append(record)
+                    return record
+
                 try:
-                    record = runner(batch)
-                finally:
-                    # Every new shape adds cache entries; nothing is reused across batch sizes.
-                    FakeTensorMode.cache_clear()
-                return record
-
-            try:
-                found = predicted_search(trial, device, cap=max_batch, granularity=granularity, limit_bytes=limit)
-            except NotAnOOMError as exc:
-                if "DataDependent" in exc.original or "DynamicOutputShape" in exc.original:
-                    raise WorkloadError(
-                        f"{target} reads tensor values during its step (.item(), data-dependent shapes), and fake "
-                        "tensors have none, so it cannot be estimated (probe it on a device instead: autotune probe): "
-                        f"{exc.original.removeprefix('an error that is not out-of-memory: ')}"
-                    ) from None
-                if failures.ops:
-                    raise WorkloadError(
-                        f"{target} cannot be estimated: fake tensors cannot run {failures.ops[-1]} for its inputs, "
-                        "though its CPU kernel may (probe it on a device instead: autotune probe): "
-                        f"{exc.original.removeprefix('an error that is not out-of-memory: ')}"
-                    ) from None
-                raise
+                    found = predicted_search(trial, device, cap=max_batch, granularity=granularity, limit_bytes=limit)
+                except NothingFitsError as exc:
+                    if not loop.accumulates:
+                        raise
+                    # One micro-step fits, and accumulation's gradients leave room for none.
+                    answers.append(LoopAnswer(loop=loop, max_micro_batch=None, capped=False, reason=str(exc)))
+                    continue
+                except NotAnOOMError as exc:
+                    refused = _unestimable(target, exc, failures)
+                    if refused is None:
+                        raise
+                    raise refused from None
+                answer = found.outcome.max_micro_batch
+                answers.append(
+                    LoopAnswer(
+                        loop=loop, max_micro_batch=answer, capped=found.outcome.capped, prediction=found.prediction
+                    )
+                )
+                if found.model is not None:
+                    models[loop.micro_steps] = found.model
         state = runner.baseline_bytes
-    outcome, prediction = found.outcome, found.prediction
-    answer = outcome.max_micro_batch
-    points = (
-        []
-        if found.model is None
-        else [CurvePoint(batch=b, peak_bytes=found.model.peak(b)) for b in curve_sizes(answer)]
-    )
+    one, acc = answers
+    assert one.max_micro_batch is not None  # a loop with no answer raised NothingFitsError above
+    # Both curves at the same sizes, each loop's answer and one more among them: a table compares them.
+    sizes = sorted({b for a in answers if a.max_micro_batch is not None for b in curve_sizes(a.max_micro_batch)})
+    curves = {steps: [CurvePoint(batch=b, peak_bytes=m.peak(b)) for b in sizes] for steps, m in models.items()}
+    prediction = acc.prediction
     return EstimateResult(
         target=target,
         options=dict(options or {}),
@@ -211,14 +247,36 @@ def estimate(
         overhead_bytes=overhead_bytes,
         limit_bytes=limit,
         state_bytes=state,
-        max_micro_batch=answer,
-        capped=outcome.capped,
-        predicted_max_micro_batch=prediction.predicted_max_micro_batch,
-        fallback_reason=prediction.fallback_reason,
-        curve=points,
-        trials=outcome.trials,
+        max_micro_batch=acc.max_micro_batch,
+        max_micro_batch_without_accumulation=one.max_micro_batch,
+        accumulation_failure=None if acc.reason is None else f"no micro-batch fits with accumulation: {acc.reason}",
+        loop=accumulating,
+        answers=answers,
+        capped=acc.capped,
+        predicted_max_micro_batch=None if prediction is None else prediction.predicted_max_micro_batch,
+        fallback_reason=None if prediction is None else prediction.fallback_reason,
+        curve=curves.get(accumulating.micro_steps, []),
+        curve_without_accumulation=curves.get(single.micro_steps, []),
+        trials=ran,
         seconds=time.perf_counter() - started,
     )
+
+
+def _unestimable(target: str, exc: NotAnOOMError, failures: FakeKernelFailures) -> WorkloadError | None:
+    """Why a trial's error that is not out-of-memory means the workload cannot be estimated (a step
+    that reads values, an op whose fake kernel fails: probe it instead); None for any other error."""
+    original = exc.original.removeprefix("an error that is not out-of-memory: ")
+    if "DataDependent" in exc.original or "DynamicOutputShape" in exc.original:
+        return WorkloadError(
+            f"{target} reads tensor values during its step (.item(), data-dependent shapes), and fake "
+            f"tensors have none, so it cannot be estimated (probe it on a device instead: autotune probe): {original}"
+        )
+    if failures.ops:
+        return WorkloadError(
+            f"{target} cannot be estimated: fake tensors cannot run {failures.ops[-1]} for its inputs, "
+            f"though its CPU kernel may (probe it on a device instead: autotune probe): {original}"
+        )
+    return None
 
 
 def curve_sizes(answer: int) -> list[int]:
