@@ -1,10 +1,11 @@
 """The memory-vs-batch picture of a probe result, as PNG (or JPEG, SVG, PDF) bytes.
 
-`render_plot(result)` draws each trial's peak (fitting and out-of-memory trials apart), the
-predicted peak-memory curve when the predictor ran, the budget and the limit (budget minus
-headroom), and the answer; beside it, a stacked bar of what filled the memory at the answer's peak
+`render_plot(result)` draws both loops a probe answers for, one colour each (one micro-step per
+optimizer step, and accumulation): each trial's peak (fitting and out-of-memory trials apart), the
+predicted peak-memory curve when the predictor ran, and the answer; then the budget and the limit
+(budget minus headroom); beside it, a stacked bar of what filled the memory at the answer's peak
 (parameters, gradients, optimizer state, activations and temporaries) when the result has it. The
-legends sit below the axes, outside the data, so they never cover the answer. It only reads a
+legends sit below the axes, outside the data, so they never cover the answers. It only reads a
 `ProbeResult`, so the CLI (`--plot probe.png`) and the service (`GET /v1/probes/{id}/plot.png`,
 always PNG) draw the same picture of a stored result. `--plot` writes the format its extension
 names (`FORMATS`) and refuses any other before the probe starts.
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.errors import ConfigError
-from autotune.results import MemoryBreakdown, ProbeResult
+from autotune.results import LoopAnswer, LoopShape, MemoryBreakdown, ProbeResult
 from autotune.units import format_bytes
 
 MIB = 2**20
@@ -29,6 +30,10 @@ MIB = 2**20
 FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".svg": "svg", ".pdf": "pdf"}
 # Colours of the breakdown's parts (MemoryBreakdown.parts' order).
 PART_COLORS = ("tab:gray", "tab:olive", "tab:brown", "tab:cyan")
+# Each loop's colour and marker of a fitting trial, in the result's order of answers (one
+# micro-step, accumulation, then any loop a framework's plan was settled in); marker shapes tell
+# the loops apart without colour too.
+LOOP_STYLES = (("tab:blue", "o"), ("tab:green", "s"), ("tab:purple", "^"), ("tab:pink", "D"))
 
 
 def require_matplotlib() -> None:
@@ -54,9 +59,49 @@ def _mib(n: int | None) -> float:
 
 
 def render_plot(result: ProbeResult, format: str = "png") -> bytes:
-    """The picture of the result's trials, predicted curve, budget, limit and answer, and of the
-    memory breakdown at the answer; PNG unless `format` names another (a value of FORMATS)."""
+    """The picture of the result's trials, predicted curves and answers for each loop, the budget
+    and limit, and the memory breakdown at the answer; PNG unless `format` names another (a value
+    of FORMATS)."""
+    figure = draw(result)
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format=format)
+    return buffer.getvalue()
+
+
+def _loops(result: ProbeResult) -> list[LoopAnswer]:
+    if result.answers:
+        return result.answers
+    # A result with no per-loop answers (stored before they were recorded): its own loop alone.
+    return [
+        LoopAnswer(
+            loop=result.loop, max_micro_batch=result.max_micro_batch, capped=result.capped, prediction=result.prediction
+        )
+    ]
+
+
+def _answer(result: ProbeResult, answer: LoopAnswer) -> tuple[int | None, bool]:
+    """A loop's answer as the result gives it now (a fresh-process confirmation or a failed run may
+    have lowered it since the search), and whether it is the cap."""
+    if answer.loop == result.loop:
+        return result.max_micro_batch, result.capped
+    if not answer.loop.accumulates:
+        return result.max_micro_batch_without_accumulation, answer.capped
+    return answer.max_micro_batch, answer.capped
+
+
+def _loop_name(loop: LoopShape, first_accumulating: bool) -> str:
+    """As the summary says it: two micro-steps stand for any number."""
+    if not loop.accumulates:
+        return "without accumulation"
+    return "with accumulation" if first_accumulating else f"with {loop.micro_steps} accumulated micro-steps"
+
+
+def draw(result: ProbeResult) -> Any:
+    """The result's picture as a matplotlib `Figure` (render_plot writes it). Every artist's label
+    names its loop; the legend has a column per loop, headed by its name, and one for the lines
+    common to both."""
     figure = _figure()  # first: without matplotlib, the ConfigError with the install hint
+    from matplotlib.lines import Line2D
     from matplotlib.ticker import MaxNLocator
 
     breakdown = result.breakdown
@@ -66,71 +111,80 @@ def render_plot(result: ProbeResult, format: str = "png") -> bytes:
         grid = figure.add_gridspec(1, 2, width_ratios=(4, 1))
         ax = figure.add_subplot(grid[0, 0])
         _draw_breakdown(figure.add_subplot(grid[0, 1], sharey=ax), result, breakdown)
-    prediction = result.prediction
-    if prediction is not None and prediction.curve:
-        ax.plot(
-            [p.batch for p in prediction.curve],
-            [_mib(p.peak_bytes) for p in prediction.curve],
-            color="tab:blue",
-            linewidth=1.5,
-            label="predicted peak",
-        )
-    # The answer's loop shape only: its trials and its predicted curve describe one loop.
-    # On CUDA the limit applies to reserved memory; on the budget device reserved == allocated.
-    shown = result.loop_trials()
-    fits = [t for t in shown if t.fits]
-    fails = [t for t in shown if not t.fits]
-    if fits:
-        ax.scatter(
-            [t.batch for t in fits],
-            [_mib(t.peak_reserved_bytes) for t in fits],
-            color="tab:green",
-            marker="o",
-            zorder=3,
-            label="trial fits (peak)",
-        )
-    if fails:
-        ax.scatter(
-            [t.batch for t in fails],
-            [_mib(t.peak_reserved_bytes) for t in fails],
-            color="tab:red",
-            marker="x",
-            zorder=3,
-            label="trial out of memory (at the failing op)",
-        )
-    ax.axhline(_mib(result.budget_bytes), color="black", linestyle="-", linewidth=1, label="budget")
-    ax.axhline(
+    blank = Line2D([], [], linestyle="none")  # a column's heading, or the space below a short column
+    columns: list[list[tuple[Any, str]]] = []
+    said: list[str] = []
+    named_accumulation = False
+    for answer, (color, marker) in zip(_loops(result), LOOP_STYLES, strict=False):
+        name = _loop_name(answer.loop, not named_accumulation)
+        named_accumulation = named_accumulation or answer.loop.accumulates
+        column: list[tuple[Any, str]] = [(blank, name)]
+        columns.append(column)
+        prediction = answer.prediction
+        if prediction is not None and prediction.curve:
+            predicted = prediction.predicted_max_micro_batch
+            (line,) = ax.plot(
+                [p.batch for p in prediction.curve],
+                [_mib(p.peak_bytes) for p in prediction.curve],
+                color=color,
+                linewidth=1.5,
+                alpha=0.7,
+                label=f"{name}: predicted peak",
+            )
+            column.append((line, "predicted peak" + (f" (answer {predicted})" if predicted is not None else "")))
+        # On CUDA the limit applies to reserved memory; on the budget device reserved == allocated.
+        shown = result.loop_trials(answer.loop.micro_steps)
+        for fitting, mark, words in ((True, marker, "trial fits (peak)"), (False, "x", "trial out of memory")):
+            trials = [t for t in shown if t.fits is fitting]
+            if trials:
+                points = ax.scatter(
+                    [t.batch for t in trials],
+                    [_mib(t.peak_reserved_bytes) for t in trials],
+                    color=color,
+                    marker=mark,
+                    zorder=3,
+                    label=f"{name}: {words}",
+                )
+                column.append((points, words))
+        found, capped = _answer(result, answer)
+        if found is None:
+            column.append((blank, "none fits"))
+            said.append(f"none fits {name}")
+            continue
+        words = f"answer {found}" + (" (capped)" if capped else "")
+        column.append((ax.axvline(found, color=color, linestyle=":", linewidth=1.5, label=f"{name}: {words}"), words))
+        said.append(f"{found} {name}")
+    budget = ax.axhline(_mib(result.budget_bytes), color="black", linestyle="-", linewidth=1, label="budget")
+    limit = ax.axhline(
         _mib(result.limit_bytes),
         color="tab:orange",
         linestyle="--",
         linewidth=1,
         label=f"limit (budget − headroom {format_bytes(result.headroom_bytes)})",
     )
-    answer = result.max_micro_batch
-    loop = "with accumulation" if result.loop.accumulates else "one micro-step"
-    if answer is None:  # nothing fits with accumulation: the one-micro-step answer
-        answer, loop = result.max_micro_batch_without_accumulation, "one micro-step; none fits with accumulation"
-    ax.axvline(
-        answer,
-        color="tab:purple",
-        linestyle=":",
-        linewidth=1.5,
-        label=f"answer: {answer}" + (" (capped)" if result.capped else ""),
-    )
-    title = f"{result.workload.target} on {result.device.name} ({loop})"
-    if prediction is not None and prediction.predicted_max_micro_batch is not None:
-        title += f" — predicted {prediction.predicted_max_micro_batch}, found {answer}"
-    ax.set_title(title, fontsize=10)
+    columns.append([(blank, ""), (budget, "budget"), (limit, str(limit.get_label()))])
+    ax.set_title(f"{result.workload.target} on {result.device.name}: {', '.join(said)}", fontsize=10)
     ax.set_xlabel("micro-batch size")
     ax.set_ylabel("peak memory (MiB)")
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # batch sizes are whole numbers
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, fontsize=8, frameon=False)
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format=format)
-    return buffer.getvalue()
+    # matplotlib fills a legend column by column: equal columns keep each loop's entries in one.
+    rows = max(len(column) for column in columns)
+    entries = [entry for column in columns for entry in column + [(blank, "")] * (rows - len(column))]
+    legend = ax.legend(
+        [handle for handle, _ in entries],
+        [text for _, text in entries],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.12),
+        ncol=len(columns),
+        fontsize=8,
+        frameon=False,
+    )
+    for text in legend.get_texts()[::rows][:-1]:  # each loop's heading
+        text.set_fontweight("bold")
+    return figure
 
 
 def _draw_breakdown(ax: Any, result: ProbeResult, breakdown: MemoryBreakdown) -> None:
