@@ -54,8 +54,14 @@ def _kill_and_watch(victim: int, family: set[int]) -> list[str]:
     while left and time.monotonic() < deadline:
         left = {pid for pid in left if alive(pid)}
         time.sleep(0.01)
-    left = {pid for pid in left if alive(pid)}
-    return [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode() for pid in left]
+    return [f"{pid}: {_command(pid)}" for pid in left if alive(pid)]
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "(gone)"
 
 
 def _lock_is_free() -> bool:
