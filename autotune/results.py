@@ -376,6 +376,66 @@ class AllocatorComparison(BaseModel):
     trials: int = Field(ge=0, description="Trials the second probe ran.")
 
 
+class JobBatch(BaseModel):
+    """A framework job's batch settings: what each device's loader gives one micro-step, how many
+    micro-steps make an optimizer step, and over how many processes."""
+
+    micro_batch: int = Field(ge=1, description="Samples per micro-step per device (the loader's batch size).")
+    accumulation_steps: int = Field(ge=1)
+    world_size: int = Field(ge=1)
+    effective_batch: int = Field(ge=1, description="micro_batch × accumulation_steps × world_size.")
+
+    @classmethod
+    def of(cls, micro_batch: int, accumulation_steps: int, world_size: int) -> JobBatch:
+        return cls(
+            micro_batch=micro_batch,
+            accumulation_steps=accumulation_steps,
+            world_size=world_size,
+            effective_batch=micro_batch * accumulation_steps * world_size,
+        )
+
+
+class GradientCheck(BaseModel):
+    """One accumulation window against one batch of the same samples, in the framework's own step:
+    whether accumulating trains like the effective batch (the loss averaged over the window)."""
+
+    micro_batch: int = Field(ge=1, description="Samples per micro-step of the window checked.")
+    accumulation_steps: int = Field(ge=1, description="Micro-steps of the window: the plan's.")
+    factor: float | None = Field(
+        default=None, description="The window's gradient norm over the whole batch's: 1.0 when equivalent."
+    )
+    difference: float | None = Field(
+        default=None, description="|window gradient - batch gradient| / |batch gradient|."
+    )
+    tolerance: float = Field(description="The largest difference taken for float rounding, at the job's precision.")
+    equivalent: bool | None = Field(description="difference <= tolerance; None when the check could not run.")
+    seconds: float = 0.0
+    error: str | None = Field(default=None, description="Why the check could not run.")
+
+
+class FrameworkTuning(BaseModel):
+    """What an integration (Trainer, Lightning, Accelerate) did with the job: the batch it was
+    configured with, the effective batch it planned for and why, what the framework now runs, the
+    gradient check, and what tuning cost."""
+
+    framework: Literal["transformers", "lightning", "accelerate"]
+    job: JobBatch | None = Field(
+        description="The job as configured before tuning; None when its batch size is unknown (a Dataset)."
+    )
+    effective_batch: int | None = Field(
+        description="The effective batch the plan is for; None with effective_batch='max' (no accumulation)."
+    )
+    effective_batch_from: Literal["job", "argument", "max"] = Field(
+        description="job: the job's own (the default); argument: effective_batch=N; max: the largest micro-batch."
+    )
+    tuned: JobBatch = Field(description="What the framework runs after tuning.")
+    gradient_check: GradientCheck | None = Field(
+        default=None, description="None when the plan does not accumulate, or the check was turned off."
+    )
+    trials: int = Field(ge=0, description="Trials of the framework's loop, every loop shape.")
+    seconds: float = Field(ge=0, description="The whole tune: the worst-case scan, the trials and the check.")
+
+
 class ProbeResult(BaseModel):
     """Everything a probe found. Stored by `fingerprint`; `max_micro_batch` is the answer."""
 
@@ -428,6 +488,9 @@ class ProbeResult(BaseModel):
     notes: list[str] = Field(
         default_factory=list,
         description="What the probe did beyond the search, in words: an answer searched again, and why.",
+    )
+    framework: FrameworkTuning | None = Field(
+        default=None, description="Set by the framework integrations: the job's batch, kept or changed, and the check."
     )
     versions: Versions
     created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))

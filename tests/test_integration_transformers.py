@@ -136,7 +136,7 @@ def test_activation_checkpointing_set_in_the_arguments_is_probed(tmp_path: Any) 
     answers = []
     for checkpointing in (False, True):
         trainer = make_trainer(tmp_path / str(checkpointing), examples(16), activation_checkpointing=checkpointing)
-        tune_trainer(trainer, memory=MEMORY, headroom=0)
+        tune_trainer(trainer, "max", memory=MEMORY, headroom=0)
         answers.append(trainer.args.per_device_train_batch_size)
         assert trainer.args.gradient_accumulation_steps == 1
     assert answers[1] > answers[0], answers

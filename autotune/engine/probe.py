@@ -182,17 +182,23 @@ def run_probe(
     workload: Workload | None = None,
     train: Callable[[TrialRunner], TrainLoop] | None = None,
     on_progress: ProgressCallback | None = None,
+    holds_window: bool = True,
 ) -> ProbeResult:
     """Search both loop shapes in this process; the fresh-process confirmation is
     `autotune.engine.confirm`'s. Raises ConfigError, WorkloadError or ProbeError.
 
     `workload`: probe this object rather than the request's target. `train`: makes the job's own
-    loop for the runner (a framework's), run instead of the workload's step. `on_progress`: told
-    as each micro-step of a trial begins (every one: throttle it for a pipe). Holds the device's
-    lock (`autotune.engine.lock`), waiting for another probe that holds it; a probe's isolated
-    child runs under its parent's."""
+    loop for the runner (a framework's), run instead of the workload's step. `holds_window`: that
+    loop holds a whole accumulation window of micro-batches at once (the Trainer), so its plan is
+    verified in its own number of micro-steps (`settle_plan`); False for a loop that holds one
+    micro-batch at a time, which two micro-steps stand for. `on_progress`: told as each micro-step
+    of a trial begins (every one: throttle it for a pipe). Holds the device's lock
+    (`autotune.engine.lock`), waiting for another probe that holds it; a probe's isolated child
+    runs under its parent's."""
     with device_lock(request.device):
-        return _run_probe(request, on_trial, workload=workload, train=train, on_progress=on_progress)
+        return _run_probe(
+            request, on_trial, workload=workload, train=train, on_progress=on_progress, holds_window=holds_window
+        )
 
 
 def _run_probe(
@@ -202,6 +208,7 @@ def _run_probe(
     workload: Workload | None,
     train: Callable[[TrialRunner], TrainLoop] | None,
     on_progress: ProgressCallback | None,
+    holds_window: bool = True,
 ) -> ProbeResult:
     started = time.perf_counter()
     workload = load_workload(request) if workload is None else as_requested(workload, request)
@@ -312,7 +319,7 @@ def _run_probe(
         duration_seconds=time.perf_counter() - started,
     )
     result = with_plan(result, request)
-    if train is not None:
+    if train is not None and holds_window:
         result = settle_plan(result, request, trial_in)
     return result.model_copy(update={"duration_seconds": time.perf_counter() - started})
 
@@ -392,13 +399,14 @@ def probe_workload(
     on_progress: ProgressCallback | None = None,
     wait_for_device: bool = True,
     on_wait: WaitCallback | None = None,
+    holds_window: bool = True,
     **fields: object,
 ) -> ProbeResult:
     """Probe a Workload object in this process; `fields` are ProbeRequest's (memory="6GiB",
     effective_batch=256, world_size=...). Its trials restore the model; it is not confirmed in a
     fresh process, which cannot re-create the objects. While another probe holds the device, waits
     for it (`on_wait` hears who holds it; the log by default), or raises DeviceBusyError with
-    `wait_for_device=False`."""
+    `wait_for_device=False`. `train` and `holds_window`: as `run_probe`'s."""
     from autotune.results import Confirmation
 
     fields.setdefault("target", f"live:{workload.name}")
@@ -422,7 +430,9 @@ def probe_workload(
         gc.freeze()
     try:
         with device_lock(request.device, wait=wait_for_device, on_wait=on_wait):
-            result = run_probe(request, on_trial, workload=workload, train=train, on_progress=on_progress)
+            result = run_probe(
+                request, on_trial, workload=workload, train=train, on_progress=on_progress, holds_window=holds_window
+            )
     finally:
         if freeze:
             gc.unfreeze()

@@ -5,6 +5,11 @@ Accelerator's gradient accumulation from the plan.
     plan = tune_accelerator(accelerator, model, optimizer, dataset, effective_batch=256, collate=collate).plan
     loader = accelerator.prepare(DataLoader(dataset, batch_size=plan.micro_batch, collate_fn=collate))
 
+Called before `accelerator.prepare`: a prepared DataLoader keeps its batch size, so the plan's
+micro-batch would not be what the loop runs, and it is refused. With a DataLoader as `data` and no
+`effective_batch`, the plan keeps the job's: its batch size x `gradient_accumulation_steps` x
+processes; a Dataset carries no batch size, so it needs `effective_batch=` (or `"max"`).
+
 The loop probed is Accelerate's: per micro-step a batch from the prepared loader, forward under
 `accelerator.autocast()`, the loss divided by `gradient_accumulation_steps` (what
 `accelerator.backward` does, for every loss, even with one step), backward, and at the window's end
@@ -17,10 +22,16 @@ plan uses the `exact` policy. For fewest-steps plans (unequal micro-batches) and
 windows, leave the Accelerator at one step and use `autotune.plans.accumulate` with `PlanBatchSampler`
 (the README shows it); combining both scales twice, and `autotune.plans.accumulate` refuses it
 (`DoubleScalingError`).
+
+Accelerate's loop holds one micro-batch at a time (and the loader's next one), so two micro-steps
+stand for any number. When the plan accumulates, the gradient check
+(`autotune.integrations.gradients`) runs the loss over one window and one batch of the same samples:
+a loss summed over its samples is off by 1/steps once divided by the steps.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,12 +43,31 @@ from torch import nn
 from autotune.engine.probe import device_spec, probe_workload
 from autotune.engine.trial import TrainLoop, TrialRunner
 from autotune.errors import ConfigError
+from autotune.integrations import gradients, micro_and_accumulation
+from autotune.integrations.job import (
+    EffectiveBatch,
+    loader_batch_size,
+    log_outcome,
+    log_target,
+    planned_effective,
+    preserved,
+    reporting,
+    tuning_record,
+    with_tuning,
+)
 from autotune.plans.plan import Policy, parse_policy
-from autotune.results import LoopShape, ProbeResult
+from autotune.results import JobBatch, LoopShape, ProbeResult, TrialRecord
 from autotune.workloads.live import model_loss
 from autotune.workloads.workload import OptimizerSpec, Workload
 
+logger = logging.getLogger("autotune.integrations.accelerate")
+
 _PRECISION = {"bf16": "bf16", "fp16": "fp16"}
+_GRADIENT_FIX = (
+    "Accelerate divides each micro-step's loss by gradient_accumulation_steps (and autotune.accumulate's step.scale "
+    "weighs it by its micro-batch's share), which averages a loss that is a mean over its micro-batch: make the loss "
+    "the mean over the micro-batch's samples, not a sum"
+)
 
 
 def accelerate_loop(accelerator: Accelerator, workload: Workload, prefetch: int) -> Callable[[TrialRunner], TrainLoop]:
@@ -80,12 +110,47 @@ def accelerate_loop(accelerator: Accelerator, workload: Workload, prefetch: int)
     return make
 
 
+def accelerate_gradients(accelerator: Accelerator, workload: Workload, model: nn.Module) -> gradients.WindowGradients:
+    """The gradients Accelerate's loop leaves for one window of `steps` micro-batches of `micro`
+    samples (rows of one batch): each loss under autocast, divided by the steps."""
+
+    def window(micro: int, steps: int) -> torch.Tensor:
+        samples = micro * steps
+        whole = workload.make_batch(samples, next(model.parameters()).device)
+        try:
+            with gradients.same_function(model):
+                for i in range(steps):
+                    part = whole if steps == 1 else gradients.rows(whole, i * micro, (i + 1) * micro, samples)
+                    with accelerator.autocast():
+                        loss = workload.loss(model, part)
+                    (loss / steps).backward()
+            return gradients.sampled_gradients(model)
+        finally:
+            gradients.clear_gradients(model)
+
+    return window
+
+
+def _prepared(accelerator: Accelerator, objects: tuple[Any, ...]) -> str | None:
+    """What was already prepared, in words (loaders with their batch sizes); None if nothing."""
+    loaders = {id(loader): loader for loader in accelerator._dataloaders}
+    named = []
+    for item in objects:
+        if getattr(item, "_is_accelerate_prepared", False):
+            if isinstance(item, torch.utils.data.DataLoader):
+                loaders[id(item)] = item
+            else:
+                named.append(f"the {type(item).__name__}")
+    named += [f"a DataLoader of batch size {loader_batch_size(loader) or '?'}" for loader in loaders.values()]
+    return ", ".join(named) or None
+
+
 def tune_accelerator(
     accelerator: Accelerator,
     model: nn.Module,
     optimizer: OptimizerSpec | torch.optim.Optimizer,
     data: Any,
-    effective_batch: int | None = None,
+    effective_batch: EffectiveBatch = None,
     *,
     loss: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     collate: Callable[[list[Any]], Any] | None = None,
@@ -94,47 +159,113 @@ def tune_accelerator(
     steps: int = 2,
     scan_limit: int = 10_000,
     policy: Policy | str = Policy.EXACT,
+    on_trial: Callable[[TrialRecord], None] | None = None,
+    check_gradients: bool = True,
+    progress: bool | None = None,
 ) -> ProbeResult:
     """Probe the job in Accelerate's loop and set `accelerator.gradient_accumulation_steps` from the
-    plan for `effective_batch` (over all processes). Call it before `accelerator.prepare(model, ...)`:
-    `data` is a Dataset (with `collate`), a DataLoader or one batch; `optimizer` an instance (not
-    stepped: a fresh copy of its class and settings is), a class or a factory; `loss(model, batch)`
-    defaults to the model's own `.loss`. Returns the result; build the loader with
-    `result.plan.micro_batch`.
+    plan for `effective_batch` (over all processes; by default the job's own: the DataLoader's batch
+    size x gradient_accumulation_steps x processes; "max": the largest micro-batch that fits, no
+    accumulation). Call it before `accelerator.prepare(model, ...)`: `data` is a DataLoader, a
+    Dataset (with `collate`) or one batch; `optimizer` an instance (not stepped: a fresh copy of its
+    class and settings is), a class or a factory; `loss(model, batch)` defaults to the model's own
+    `.loss`. Returns the result; build the loader with `result.plan.micro_batch`.
 
     `policy="fewest-steps"`: unequal micro-batches, which Accelerate's accumulation cannot run; the
-    Accelerator is left at one step, for `autotune.plans.accumulate` with a `PlanBatchSampler`."""
+    Accelerator is left at one step, for `autotune.plans.accumulate` with a `PlanBatchSampler`.
+    `check_gradients`: the gradient check when the plan accumulates. `progress`: the live table of
+    trials (default: when stderr is a terminal); every trial is logged at INFO either way."""
+    started = time.perf_counter()
     policy = parse_policy(policy)
     if accelerator.num_processes > 1:
         raise ConfigError(
             f"tune_accelerator runs in one process, and this Accelerator has {accelerator.num_processes}: every "
             "process would probe alone and could differ; tune in a single process, then launch with the values"
         )
+    prepared = _prepared(accelerator, (model, optimizer, data))
+    if prepared is not None:
+        raise ConfigError(
+            f"tune_accelerator after accelerator.prepare (it prepared {prepared}): a prepared DataLoader keeps its "
+            "batch size, so the loop would not run the plan's micro-batch; call tune_accelerator first, then "
+            "accelerator.prepare a DataLoader with batch_size=result.plan.micro_batch"
+        )
+    given = loader_batch_size(data) if isinstance(data, torch.utils.data.DataLoader) else None
+    job = (
+        None
+        if given is None
+        else JobBatch.of(given, accelerator.gradient_accumulation_steps, accelerator.num_processes)
+    )
+    unknown = (
+        "the DataLoader has no batch size"
+        if isinstance(data, torch.utils.data.DataLoader)
+        else "data is not a DataLoader"
+    )
+    effective, source = planned_effective(effective_batch, job, who="tune_accelerator", unknown=unknown)
     unwrapped = accelerator.unwrap_model(model)
-    workload = Workload.from_model(
-        unwrapped,
-        batch=data,
-        optimizer=optimizer,
-        loss=loss or model_loss,
-        collate=collate,
-        precision=_PRECISION.get(str(accelerator.mixed_precision), "fp32"),
-        name=f"accelerate:{type(unwrapped).__name__}",
-        scan_limit=scan_limit,
-    )
     device = accelerator.device
-    # The prepared loader's next batch is on the probing device only when that device is the host.
-    prefetch = 1 if device.type == "cpu" else 0
-    result = probe_workload(
-        workload,
-        train=accelerate_loop(accelerator, workload, prefetch),
-        device=device_spec(device),
-        memory=memory,
-        headroom=headroom,
-        steps=steps,
-        effective_batch=effective_batch,
-        world_size=accelerator.num_processes,
-        policy=policy,
-    )
-    accumulates = result.plan is not None and policy is Policy.EXACT
-    accelerator.gradient_accumulation_steps = result.plan.accumulation_steps if accumulates else 1  # type: ignore[union-attr]
+    with (
+        preserved(unwrapped, device),
+        reporting(
+            logger, f"tuning {type(unwrapped).__name__} in Accelerate's loop", show=progress, on_trial=on_trial
+        ) as reporter,
+    ):
+        log_target(logger, effective, source, job)
+        precision = _PRECISION.get(str(accelerator.mixed_precision), "fp32")
+        workload = Workload.from_model(
+            unwrapped,
+            batch=data,
+            optimizer=optimizer,
+            loss=loss or model_loss,
+            collate=collate,
+            precision=precision,
+            name=f"accelerate:{type(unwrapped).__name__}",
+            scan_limit=scan_limit,
+        )
+        # The prepared loader's next batch is on the probing device only when that device is the host.
+        prefetch = 1 if device.type == "cpu" else 0
+        result = probe_workload(
+            workload,
+            train=accelerate_loop(accelerator, workload, prefetch),
+            holds_window=False,
+            on_trial=reporter.trial,
+            on_progress=reporter.progress,
+            device=device_spec(device),
+            memory=memory,
+            headroom=headroom,
+            steps=steps,
+            effective_batch=effective,
+            world_size=accelerator.num_processes,
+            policy=policy,
+        )
+        made = result.plan
+        micro = micro_and_accumulation(result)[0]
+        window = 1 if made is None else made.accumulation_steps
+        check = None
+        if check_gradients and window > 1:
+            check = gradients.check_gradients(
+                accelerate_gradients(accelerator, workload, unwrapped),
+                micro=min(gradients.CHECK_MICRO_BATCH, micro),
+                steps=window,
+                precision=precision,
+            )
+        accumulation = window if policy is Policy.EXACT else 1
+        tuning = tuning_record(
+            "accelerate",
+            job=job,
+            effective=effective,
+            source=source,
+            tuned=(micro, window),
+            world_size=accelerator.num_processes,
+            check=check,
+            result=result,
+            started=started,
+        )
+        result = with_tuning(result, tuning, gradients.warning(check, _GRADIENT_FIX))
+        then = (
+            f"set gradient_accumulation_steps={accumulation}; build the DataLoader with batch_size={micro}"
+            if policy is Policy.EXACT
+            else "the Accelerator left at one step: run the plan's micro-batches with autotune.accumulate"
+        )
+        log_outcome(reporter, result, then)
+    accelerator.gradient_accumulation_steps = accumulation
     return result

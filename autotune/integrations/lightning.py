@@ -2,8 +2,8 @@
 and the trainer's gradient accumulation.
 
     from autotune.integrations.lightning import AutotuneBatchSize
-    trainer = L.Trainer(callbacks=[AutotuneBatchSize(effective_batch=256)], ...)
-    trainer.fit(model, datamodule=data)
+    trainer = L.Trainer(callbacks=[AutotuneBatchSize()], accumulate_grad_batches=4, ...)
+    trainer.fit(model, datamodule=data)  # keeps the effective batch: batch_size x 4 x world size
 
 Like Lightning's `BatchSizeFinder`, it acts in `on_fit_start`. Unlike it, it runs no trial inside the
 fit loop: it runs Lightning's automatic-optimization step itself, as the fit loop orders it, on the
@@ -19,7 +19,15 @@ The batches are the worst-case samples of the train dataloader, collated by its 
 It sets `batch_arg_name` (default `batch_size`) on the module, its hparams or the datamodule, as
 `lightning_setattr` finds it, and `trainer.accumulate_grad_batches`. Lightning's loaders run equal
 micro-batches, so plans use the `exact` policy. Manual optimization is the module's own loop: probe it
-with `Workload.from_model` instead.
+with `Workload.from_model` instead. Refused, because Lightning would not run the plan: a
+`GradientAccumulationScheduler` (it sets the accumulation again at every epoch), and a train
+dataloader whose batch size is not the `batch_arg_name` attribute's.
+
+Lightning's loop holds one micro-batch at a time (a sized loader prefetches nothing), so two
+micro-steps stand for any number, and the plan is not searched again in its own number of
+micro-steps as the Trainer's is. When the plan accumulates, the gradient check
+(`autotune.integrations.gradients`) runs `training_step` over one window and one batch of the same
+samples: a loss summed over its samples (Lightning divides it by the steps) is off by 1/steps.
 """
 
 from __future__ import annotations
@@ -31,19 +39,32 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
-from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
+from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 
 from autotune.engine.probe import device_spec, probe_workload
 from autotune.engine.trial import TrainLoop, TrialRunner
 from autotune.errors import ConfigError, ProbeError
-from autotune.integrations import micro_and_accumulation
+from autotune.integrations import gradients, micro_and_accumulation
+from autotune.integrations.job import (
+    EffectiveBatch,
+    loader_batch_size,
+    log_outcome,
+    log_target,
+    planned_effective,
+    preserved,
+    reporting,
+    tuning_record,
+    valid_effective,
+    with_tuning,
+)
 from autotune.plans.plan import Policy
-from autotune.results import LoopShape, ProbeResult
+from autotune.results import JobBatch, LoopShape, ProbeResult
 from autotune.workloads import worstcase
 from autotune.workloads.workload import Workload
 
-logger = logging.getLogger("autotune")
+logger = logging.getLogger("autotune.integrations.lightning")
 
 _PRECISION = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
 
@@ -105,27 +126,64 @@ def lightning_loop(
     return make
 
 
+def lightning_gradients(
+    trainer: pl.Trainer, module: pl.LightningModule, make_batch: Callable[[int, torch.device], Any]
+) -> gradients.WindowGradients:
+    """The gradients Lightning's automatic optimization leaves for one window of `steps`
+    micro-batches of `micro` samples (rows of one batch): each loss divided by the steps."""
+    precision = trainer.precision_plugin
+
+    def window(micro: int, steps: int) -> torch.Tensor:
+        samples = micro * steps
+        whole = make_batch(samples, next(module.parameters()).device)
+        try:
+            with gradients.same_function(module):
+                for i in range(steps):
+                    part = whole if steps == 1 else gradients.rows(whole, i * micro, (i + 1) * micro, samples)
+                    with precision.train_step_context():
+                        loss = _loss(module.training_step(part, i))
+                    (loss / steps).backward()
+            return gradients.sampled_gradients(module)
+        finally:
+            gradients.clear_gradients(module)
+
+    return window
+
+
+_GRADIENT_FIX = (
+    "Lightning divides each micro-step's loss by accumulate_grad_batches, which averages a loss that is a mean over "
+    "its micro-batch: return the mean (reduction='mean') from training_step, not a sum"
+)
+
+
 class AutotuneBatchSize(pl.Callback):
     """Probe at fit start; set the module's batch size and the trainer's `accumulate_grad_batches`.
 
-    `effective_batch`: samples per optimizer step over all ranks (default: the largest micro-batch
-    that fits, no accumulation). `memory`/`headroom`: as the CLI's (without a GPU the probe runs on
-    the CPU budget device of `memory` bytes). The result is `self.result` on rank 0."""
+    `effective_batch`: samples per optimizer step over all ranks; by default the job's own (the
+    train dataloader's batch size x `accumulate_grad_batches` x world size); `"max"`: the largest
+    micro-batch that fits, no accumulation. `memory`/`headroom`: as the CLI's (without a GPU the probe
+    runs on the CPU budget device of `memory` bytes). `check_gradients`: the gradient check when the
+    plan accumulates. `progress`: the live table of trials (default: when stderr is a terminal).
+    The result is `self.result` on rank 0 (`result.framework`: what was kept and set)."""
 
     def __init__(
         self,
-        effective_batch: int | None = None,
+        effective_batch: EffectiveBatch = None,
         *,
         memory: int | str | None = None,
         headroom: float | int | str | None = None,
         batch_arg_name: str = "batch_size",
         steps: int = 2,
         scan_limit: int = 10_000,
+        check_gradients: bool = True,
+        progress: bool | None = None,
     ) -> None:
+        valid_effective(effective_batch, who="AutotuneBatchSize")
         self.effective_batch = effective_batch
         self.memory, self.headroom = memory, headroom
         self.batch_arg_name = batch_arg_name
         self.steps, self.scan_limit = steps, scan_limit
+        self.check_gradients, self.progress = check_gradients, progress
         self.result: ProbeResult | None = None
         self.values: tuple[int, int] | None = None
 
@@ -139,6 +197,14 @@ class AutotuneBatchSize(pl.Callback):
             raise ConfigError(
                 "AutotuneBatchSize probes Lightning's automatic optimization; with manual optimization the loop is "
                 "yours: probe it with Workload.from_model"
+            )
+        schedule = next((c for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)), None)  # type: ignore[attr-defined]
+        if schedule is not None or not isinstance(trainer.accumulate_grad_batches, int):
+            scheduling = schedule.scheduling if schedule is not None else trainer.accumulate_grad_batches
+            raise ConfigError(
+                f"AutotuneBatchSize sets one accumulation for the whole fit, and this trainer changes it by epoch "
+                f"({scheduling}): remove the GradientAccumulationScheduler and give "
+                "Trainer(accumulate_grad_batches=N), or tune each phase's effective batch in a fit of its own"
             )
         values: tuple[int, int] | str | None = None
         failure: Exception | None = None
@@ -162,46 +228,88 @@ class AutotuneBatchSize(pl.Callback):
         trainer.fit_loop._combined_loader = None
 
     def _probe(self, trainer: pl.Trainer, module: pl.LightningModule) -> tuple[int, int]:
+        started = time.perf_counter()
         loader = trainer.fit_loop._data_source.dataloader()
         if not isinstance(loader, torch.utils.data.DataLoader):
             raise ConfigError("AutotuneBatchSize needs one train DataLoader (not a collection of loaders)")
-        worst = worstcase.find_worst_case(loader, limit=self.scan_limit)
-        make_batch = worstcase.worst_case_maker(loader, worst=worst)
-
-        def configured(params: Any) -> torch.optim.Optimizer:
-            return _init_optimizers_and_lr_schedulers(module)[0][0]
-
-        # The optimizer's name in results: what configure_optimizers returns.
-        setattr(configured, "optimizer_name", type(configured(None)).__name__)  # noqa: B010
-        workload = Workload(
-            build_model=lambda: module,
-            make_batch=make_batch,
-            loss=lambda model, batch: _loss(module.training_step(batch, 0)),
-            name=f"lightning:{type(module).__name__}",
-            optimizer=configured,
-            precision=_PRECISION.get(str(trainer.precision), "fp32"),  # type: ignore[arg-type]
-            input_spec=worst.input_spec(),
-        )
-
-        def silent(*args: Any, **kwargs: Any) -> None:
-            """self.log outside Lightning's loop has no result collection to write to."""
-
-        module.log = module.log_dict = silent  # type: ignore[method-assign]
-        try:
-            result = probe_workload(
-                workload,
-                train=lightning_loop(trainer, module, make_batch),
-                device=device_spec(trainer.strategy.root_device),
-                memory=self.memory,
-                headroom=self.headroom,
-                steps=self.steps,
-                effective_batch=self.effective_batch,
-                world_size=trainer.world_size,
-                policy=Policy.EXACT,
+        made, attribute = loader_batch_size(loader), lightning_getattr(module, self.batch_arg_name)
+        if made is None or made != attribute:
+            batches = "no batch size (a batch_sampler)" if made is None else f"batches of {made}"
+            raise ConfigError(
+                f"AutotuneBatchSize sets {self.batch_arg_name!r} ({attribute}), and the train dataloader has "
+                f"{batches}: Lightning would not run the plan's micro-batch; build the DataLoader with "
+                f"batch_size=self.{self.batch_arg_name} (or give batch_arg_name= the attribute it reads)"
             )
-        finally:
-            del module.log, module.log_dict
+        job = JobBatch.of(made, trainer.accumulate_grad_batches, trainer.world_size)
+        effective, source = planned_effective(self.effective_batch, job, who="AutotuneBatchSize")
+        with (
+            preserved(module, trainer.strategy.root_device),
+            reporting(logger, f"tuning {type(module).__name__}", show=self.progress) as reporter,
+        ):
+            log_target(logger, effective, source, job)
+            worst = worstcase.find_worst_case(loader, limit=self.scan_limit)
+            make_batch = worstcase.worst_case_maker(loader, worst=worst)
+
+            def configured(params: Any) -> torch.optim.Optimizer:
+                return _init_optimizers_and_lr_schedulers(module)[0][0]
+
+            # The optimizer's name in results: what configure_optimizers returns.
+            setattr(configured, "optimizer_name", type(configured(None)).__name__)  # noqa: B010
+            precision = _PRECISION.get(str(trainer.precision), "fp32")
+            workload = Workload(
+                build_model=lambda: module,
+                make_batch=make_batch,
+                loss=lambda model, batch: _loss(module.training_step(batch, 0)),
+                name=f"lightning:{type(module).__name__}",
+                optimizer=configured,
+                precision=precision,  # type: ignore[arg-type]
+                input_spec=worst.input_spec(),
+            )
+
+            def silent(*args: Any, **kwargs: Any) -> None:
+                """self.log outside Lightning's loop has no result collection to write to."""
+
+            module.log = module.log_dict = silent  # type: ignore[method-assign]
+            try:
+                result = probe_workload(
+                    workload,
+                    train=lightning_loop(trainer, module, make_batch),
+                    holds_window=False,
+                    on_trial=reporter.trial,
+                    on_progress=reporter.progress,
+                    device=device_spec(trainer.strategy.root_device),
+                    memory=self.memory,
+                    headroom=self.headroom,
+                    steps=self.steps,
+                    effective_batch=effective,
+                    world_size=trainer.world_size,
+                    policy=Policy.EXACT,
+                )
+                micro, accumulation = micro_and_accumulation(result)
+                check = None
+                if self.check_gradients and accumulation > 1:
+                    check = gradients.check_gradients(
+                        lightning_gradients(trainer, module, make_batch),
+                        micro=min(gradients.CHECK_MICRO_BATCH, micro),
+                        steps=accumulation,
+                        precision=precision,
+                    )
+            finally:
+                del module.log, module.log_dict
+            tuning = tuning_record(
+                "lightning",
+                job=job,
+                effective=effective,
+                source=source,
+                tuned=(micro, accumulation),
+                world_size=trainer.world_size,
+                check=check,
+                result=result,
+                started=started,
+            )
+            result = with_tuning(result, tuning, gradients.warning(check, _GRADIENT_FIX))
+            log_outcome(
+                reporter, result, f"set {self.batch_arg_name}={micro}, trainer.accumulate_grad_batches={accumulation}"
+            )
         self.result = result
-        for warning in result.plan.warnings if result.plan is not None else []:
-            logger.warning("autotune: %s", warning)
-        return micro_and_accumulation(result)
+        return micro, accumulation

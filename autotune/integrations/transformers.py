@@ -1,7 +1,7 @@
 """The Hugging Face Trainer: probe its own `train()` and set its batch size and accumulation.
 
     from autotune.integrations.transformers import tune_trainer
-    tune_trainer(trainer, effective_batch=64)
+    tune_trainer(trainer)  # keeps the job's effective batch: per_device_train_batch_size x accumulation
     trainer.train()
 
 Every trial is the Trainer's own loop: `trainer.train()` for `steps` optimizer steps at a
@@ -17,28 +17,49 @@ weights); your callbacks do not run during the probe. The Trainer runs equal mic
 use the `exact` policy: when the effective batch per rank has no divisor near the largest micro-batch
 that fits, the plan takes more steps than fewest-steps would (its warning says how many), and
 `trainer.autotune_result.plan` shows both.
+
+When the plan accumulates, the gradient check (`autotune.integrations.gradients`) runs the Trainer's
+`train()` over one window and over one batch of the same examples: a model whose forward takes
+`**kwargs` but whose loss ignores `num_items_in_batch` gets no division by the accumulation steps
+from the Trainer, and the plan's warning says by how much its gradient is off and how to fix it.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
-from transformers import DefaultFlowCallback, Trainer, TrainerCallback
+from transformers import DefaultFlowCallback, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy
 
 from autotune.engine.probe import device_spec, probe_workload
 from autotune.engine.trial import TrainLoop, TrialRunner
-from autotune.errors import ConfigError
-from autotune.integrations import micro_and_accumulation
+from autotune.errors import ConfigError, ProbeError
+from autotune.integrations import gradients, micro_and_accumulation
+from autotune.integrations.job import (
+    EffectiveBatch,
+    loader_batch_size,
+    log_outcome,
+    log_target,
+    planned_effective,
+    preserved,
+    reporting,
+    tuning_record,
+    with_tuning,
+)
 from autotune.plans.plan import Policy
-from autotune.results import LoopShape, ProbeResult, TrialRecord
+from autotune.results import JobBatch, LoopShape, ProbeResult, TrialRecord
 from autotune.workloads import worstcase
 from autotune.workloads.live import OptimizerCopy
 from autotune.workloads.workload import Workload
+
+logger = logging.getLogger("autotune.integrations.transformers")
 
 
 class _Repeated(Dataset[Any]):
@@ -82,6 +103,17 @@ class _Settling(TrainerCallback):
 
     def __init__(self, runner: TrialRunner, batch: int, loop: LoopShape) -> None:
         self.runner, self.batch, self.loop = runner, batch, loop
+        self.micro = 0
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self.micro = 0
+        self.runner.micro_step(self.batch, self.loop, state.global_step, 0)
+        return control
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self.micro += 1
+        self.runner.micro_step(self.batch, self.loop, state.global_step, self.micro)
+        return control
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         self.runner.stepped(self.batch, state.global_step - 1)
@@ -90,112 +122,239 @@ class _Settling(TrainerCallback):
         return control
 
 
+@contextmanager
+def _borrowed(trainer: Trainer) -> Iterator[TrainingArguments]:
+    """The Trainer lent to one `train()` of autotune's: a copy of its arguments to change (no saving,
+    evaluation, logging or progress bar), and afterwards its attributes and callbacks as they were."""
+    saved = dict(vars(trainer))
+    handler = trainer.callback_handler
+    saved_handler = dict(vars(handler))
+    args = copy.copy(trainer.args)
+    args.save_strategy, args.eval_strategy = SaveStrategy.NO, IntervalStrategy.NO
+    args.logging_strategy, args.eval_on_start = IntervalStrategy.NO, False
+    args.load_best_model_at_end, args.push_to_hub, args.auto_find_batch_size = False, False, False
+    args.disable_tqdm = True
+    try:
+        trainer.args = args
+        yield args
+    finally:
+        # The accelerator keeps the run's prepared optimizer (and its state) until the next
+        # train(); the job's own train() must start from nothing of autotune's.
+        trainer.accelerator.free_memory()
+        vars(trainer).clear()
+        vars(trainer).update(saved)
+        vars(handler).clear()
+        vars(handler).update(saved_handler)
+
+
+def _optimizer_copy(trainer: Trainer) -> OptimizerCopy | None:
+    return None if trainer.optimizer is None else OptimizerCopy(trainer.optimizer, trainer.model)  # type: ignore[arg-type]
+
+
 def trainer_loop(trainer: Trainer, dataset: Any, indices: tuple[int, ...]) -> Callable[[TrialRunner], TrainLoop]:
     """The Trainer's own `train()` as a trial loop over the worst-case examples."""
-    given = None if trainer.optimizer is None else OptimizerCopy(trainer.optimizer, trainer.model)  # type: ignore[arg-type]
+    given = _optimizer_copy(trainer)
 
     def make(runner: TrialRunner) -> TrainLoop:
         def train(batch: int, loop: LoopShape) -> float:
-            saved = dict(vars(trainer))
-            handler = trainer.callback_handler
-            saved_handler = dict(vars(handler))
-            args = copy.copy(trainer.args)
-            args.per_device_train_batch_size = batch
-            args.gradient_accumulation_steps = loop.micro_steps
-            budget = runner.step_budget(loop)
-            args.max_steps = budget
-            args.save_strategy, args.eval_strategy = SaveStrategy.NO, IntervalStrategy.NO
-            args.logging_strategy, args.eval_on_start = IntervalStrategy.NO, False
-            args.load_best_model_at_end, args.push_to_hub, args.auto_find_batch_size = False, False, False
-            args.disable_tqdm = True
-            try:
-                trainer.args = args
+            with _borrowed(trainer) as args:
+                args.per_device_train_batch_size = batch
+                args.gradient_accumulation_steps = loop.micro_steps
+                budget = runner.step_budget(loop)
+                args.max_steps = budget
                 trainer._train_batch_size = args.train_batch_size
                 per_step = args.train_batch_size * loop.micro_steps * args.world_size
                 trainer.train_dataset = _Repeated(dataset, indices, per_step * budget)
-                handler.callbacks = [DefaultFlowCallback(), _Settling(runner, batch, loop)]
+                trainer.callback_handler.callbacks = [DefaultFlowCallback(), _Settling(runner, batch, loop)]
                 # A given optimizer and scheduler must not be stepped: each trial gets a fresh copy
                 # of the optimizer, and the Trainer's own scheduler (no memory to speak of).
                 trainer.optimizer = None if given is None else given(runner.model.parameters())
                 trainer.lr_scheduler = None
                 output = trainer.train()
                 ran = max(runner.steps_run, 1)
-                seconds = float(output.metrics.get("train_runtime", 0.0)) / (ran * loop.micro_steps)
-            finally:
-                # The accelerator keeps the trial's prepared optimizer (and its state) until the
-                # next train(); the job's own train() must start from nothing of the probe's.
-                trainer.accelerator.free_memory()
-                vars(trainer).clear()
-                vars(trainer).update(saved)
-                vars(handler).clear()
-                vars(handler).update(saved_handler)
-            return seconds
+                return float(output.metrics.get("train_runtime", 0.0)) / (ran * loop.micro_steps)
 
         return train
 
     return make
 
 
+class _Captured(Exception):
+    """Ends a gradient-check run of train() before its optimizer step."""
+
+
+class _Capture(TrainerCallback):
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.gradients: list[torch.Tensor] = []
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self.gradients.append(gradients.sampled_gradients(self.model))
+        raise _Captured
+
+
+def trainer_gradients(trainer: Trainer, dataset: Any) -> gradients.WindowGradients:
+    """The gradients the Trainer's own `train()` leaves for one window of `steps` micro-batches of
+    `micro` examples (the dataset's first ones), stopped before the optimizer steps: the Trainer's
+    count of `num_items_in_batch` over the window, its division by the steps, its compute_loss."""
+    model = trainer.model
+    assert isinstance(model, torch.nn.Module)
+    given = _optimizer_copy(trainer)
+
+    def window(micro: int, steps: int) -> torch.Tensor:
+        samples = micro * steps
+        capture = _Capture(model)
+        with gradients.same_function(model), _borrowed(trainer) as args:
+            args.per_device_train_batch_size, args.gradient_accumulation_steps = micro, steps
+            args.max_steps = 1
+            args.max_grad_norm = 0.0  # clipping would hide the scale that is checked
+            trainer._train_batch_size = args.train_batch_size
+            trainer.train_dataset = _Repeated(dataset, tuple(range(min(samples, len(dataset)))), samples)
+            trainer.callback_handler.callbacks = [capture]
+            trainer.optimizer = None if given is None else given(model.parameters())
+            trainer.lr_scheduler = None
+            try:
+                trainer.train()
+            except _Captured:
+                pass
+            finally:
+                gradients.clear_gradients(model)
+        if not capture.gradients:
+            raise ProbeError("the Trainer's train() ended before its optimizer step")
+        return capture.gradients[0]
+
+    return window
+
+
+def _gradient_fix(trainer: Trainer) -> str:
+    if (
+        trainer.model_accepts_loss_kwargs
+        and trainer.compute_loss_func is None
+        and trainer.loss_is_scaled_for_ga is None
+    ):
+        how = (
+            "the model's forward takes **kwargs, so the Trainer passes it num_items_in_batch and does not divide the "
+            "loss by the accumulation steps, and this model's loss does not use num_items_in_batch"
+        )
+    else:
+        how = "the loss this Trainer backpropagates is not the window's mean"
+    return (
+        f"{how}: set trainer.loss_is_scaled_for_ga = False (the Trainer then divides each micro-step's loss by the "
+        "steps), normalize the model's loss by num_items_in_batch (its reduction: sum / num_items_in_batch), or pass "
+        "compute_loss_func= (or override compute_loss) doing so; on several processes, keep "
+        "average_tokens_across_devices=True so that the count is the whole window's"
+    )
+
+
 def tune_trainer(
     trainer: Trainer,
-    effective_batch: int | None = None,
+    effective_batch: EffectiveBatch = None,
     *,
     memory: int | str | None = None,
     headroom: float | int | str | None = None,
     steps: int = 2,
     scan_limit: int = 10_000,
     on_trial: Callable[[TrialRecord], None] | None = None,
+    check_gradients: bool = True,
+    progress: bool | None = None,
 ) -> ProbeResult:
     """Probe `trainer`'s own loop and set `per_device_train_batch_size` and
-    `gradient_accumulation_steps` for `effective_batch` (by default: the largest micro-batch that
-    fits, no accumulation). Returns the probe's result (also `trainer.autotune_result`).
+    `gradient_accumulation_steps` for the job's effective batch (per_device_train_batch_size x
+    gradient_accumulation_steps x world size, as configured), for `effective_batch=N` samples per
+    optimizer step, or with `effective_batch="max"` for the largest micro-batch that fits with no
+    accumulation. Returns the probe's result (also `trainer.autotune_result`; `result.framework`
+    says what was kept and set).
 
     `memory`/`headroom`: as the CLI's `--memory`/`--headroom` (on a machine without a GPU the probe
-    runs on the CPU budget device of `memory` bytes)."""
+    runs on the CPU budget device of `memory` bytes). `check_gradients`: run the gradient check
+    when the plan accumulates. `progress`: the live table of trials (default: when stderr is a
+    terminal); every trial is logged at INFO either way."""
+    started = time.perf_counter()
     if trainer.train_dataset is None:
         raise ConfigError("tune_trainer: the Trainer has no train_dataset: autotune needs its examples")
     model = trainer.model
     if not isinstance(model, torch.nn.Module):
         raise ConfigError("tune_trainer: the Trainer has no model (a model_init is not probed): pass model=")
-    if trainer.args.world_size > 1:
+    args = trainer.args
+    if args.world_size > 1:
         raise ConfigError(
-            f"tune_trainer runs in one process, and this Trainer has world size {trainer.args.world_size}: "
+            f"tune_trainer runs in one process, and this Trainer has world size {args.world_size}: "
             "every rank would probe alone and could differ; tune in a single process with the same per-device "
             "setup, then pass the values to the distributed run"
         )
-    loader = trainer.get_train_dataloader()
-    # The loader's collate function is the Trainer's: its collator, after dropping the columns the
-    # model does not take.
-    dataset, collate = loader.dataset, loader.collate_fn
-    if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__"):
-        raise ConfigError(
-            "tune_trainer needs a train_dataset it can index (a map-style Dataset): the probe feeds the Trainer "
-            "its worst-case examples again and again"
+    job = JobBatch.of(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.world_size)
+    effective, source = planned_effective(effective_batch, job, who="tune_trainer")
+    with (
+        preserved(model, args.device),
+        reporting(logger, f"tuning the Trainer's {type(model).__name__}", show=progress, on_trial=on_trial) as reporter,
+    ):
+        log_target(logger, effective, source, job)
+        loader = trainer.get_train_dataloader()
+        made = loader_batch_size(loader)
+        if made is not None and made != args.train_batch_size:
+            raise ConfigError(
+                f"tune_trainer: this Trainer's get_train_dataloader() makes batches of {made} while "
+                f"per_device_train_batch_size is {args.per_device_train_batch_size}: autotune sets the argument, "
+                "which this loader ignores: build it with self._train_batch_size, as the Trainer's own does"
+            )
+        # The loader's collate function is the Trainer's: its collator, after dropping the columns the
+        # model does not take.
+        dataset, collate = loader.dataset, loader.collate_fn
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__"):
+            raise ConfigError(
+                "tune_trainer needs a train_dataset it can index (a map-style Dataset): the probe feeds the Trainer "
+                "its worst-case examples again and again"
+            )
+        worst = worstcase.find_worst_case(dataset, collate, limit=scan_limit)
+        workload = Workload(
+            build_model=lambda: model,
+            make_batch=worstcase.worst_case_maker(dataset, collate, worst),
+            loss=lambda model, batch: model(**batch).loss,
+            name=f"trainer:{type(model).__name__}",
+            optimizer=_TrainerOptimizer(trainer),
+            precision=_precision(trainer),  # type: ignore[arg-type]
+            input_spec=worst.input_spec(),
         )
-    worst = worstcase.find_worst_case(dataset, collate, limit=scan_limit)
-    workload = Workload(
-        build_model=lambda: model,
-        make_batch=worstcase.worst_case_maker(dataset, collate, worst),
-        loss=lambda model, batch: model(**batch).loss,
-        name=f"trainer:{type(model).__name__}",
-        optimizer=_TrainerOptimizer(trainer),
-        precision=_precision(trainer),  # type: ignore[arg-type]
-        input_spec=worst.input_spec(),
-    )
-    args = trainer.args
-    result = probe_workload(
-        workload,
-        train=trainer_loop(trainer, dataset, worst.indices),
-        on_trial=on_trial,
-        device=device_spec(trainer.args.device),
-        memory=memory,
-        headroom=headroom,
-        steps=steps,
-        effective_batch=effective_batch,
-        world_size=args.world_size,
-        policy=Policy.EXACT,
-    )
-    args.per_device_train_batch_size, args.gradient_accumulation_steps = micro_and_accumulation(result)
+        result = probe_workload(
+            workload,
+            train=trainer_loop(trainer, dataset, worst.indices),
+            on_trial=reporter.trial,
+            on_progress=reporter.progress,
+            device=device_spec(args.device),
+            memory=memory,
+            headroom=headroom,
+            steps=steps,
+            effective_batch=effective,
+            world_size=args.world_size,
+            policy=Policy.EXACT,
+        )
+        micro, accumulation = micro_and_accumulation(result)
+        check = None
+        if check_gradients and accumulation > 1:
+            check = gradients.check_gradients(
+                trainer_gradients(trainer, dataset),
+                micro=min(gradients.CHECK_MICRO_BATCH, micro),
+                steps=accumulation,
+                precision=_precision(trainer),
+            )
+        tuning = tuning_record(
+            "transformers",
+            job=job,
+            effective=effective,
+            source=source,
+            tuned=(micro, accumulation),
+            world_size=args.world_size,
+            check=check,
+            result=result,
+            started=started,
+        )
+        result = with_tuning(result, tuning, gradients.warning(check, _gradient_fix(trainer)))
+        log_outcome(
+            reporter,
+            result,
+            f"set per_device_train_batch_size={micro}, gradient_accumulation_steps={accumulation}",
+        )
+    args.per_device_train_batch_size, args.gradient_accumulation_steps = micro, accumulation
     trainer._train_batch_size = args.train_batch_size
     trainer.autotune_result = result  # type: ignore[attr-defined]
     return result
