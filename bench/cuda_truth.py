@@ -22,7 +22,7 @@ The cases (`--case`, repeatable; default: every GPU case when CUDA is here):
     gpt:SIZE[:expandable]   any other size, e.g. gpt:32MiB on the budget device
 
 It prints a table and writes JSON (`--json`). tests/test_cuda_truth.py runs it on the budget
-device with the allocator model; on a GPU it is the README's table.
+device with the allocator model; on a GPU it is docs/measurements.md's table.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ largest micro-batch is the simulated one; the table shows it, with the simulated
 next to the real ranks' peaks. A DDP rank's memory does not depend on N, so DDP is probed once.
 
 tests/test_parallel.py runs `real_job` the same way for its truth cases, and
-tests/test_readme_figures.py checks the README's table against the stored JSON.
+tests/test_readme_figures.py checks docs/parallel.md's table against the stored JSON.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A plain Accelerate loop whose micro-batch and accumulation come from autotune. Without a GPU the
 probe runs on the CPU budget device (AUTOTUNE_CPU_MEMORY bytes). The autotune lines are the ones the
-README shows."""
+docs/frameworks.md shows."""
 
 import torch
 from accelerate import Accelerator

@@ -1,6 +1,6 @@
 """Probe a job's own objects, with no module to import: its model, its optimizer instance (fused,
 per-group weight decay), its Dataset and collate function. The autotune lines are the ones the
-README shows."""
+docs/frameworks.md shows."""
 
 import torch
 from torch import nn

@@ -1,4 +1,4 @@
-"""Accumulation that survives an out-of-memory error mid-run (the README shows this file).
+"""Accumulation that survives an out-of-memory error mid-run (docs/accumulation.md shows this file).
 
 A budget device of 640 KiB stands in for a GPU that a long sequence or fragmentation fills: the
 window of micro-batches of 64 runs out of memory, the guard redoes it with micro-batches of 32,

@@ -53,7 +53,7 @@ _FAKE_TENSOR_LOG = "torch._subclasses.fake_tensor"
 
 # What a CUDA device holds besides the tensors a step allocates: the context (about 500 MiB on
 # recent GPUs with lazy module loading), cuBLAS/cuBLASLt workspaces (tens of MiB per stream) and
-# the caching allocator's rounding of large blocks. Measured figures are in the README.
+# the caching allocator's rounding of large blocks. Measured figures are in docs/estimate.md.
 CUDA_OVERHEAD_BYTES = 768 * 2**20
 
 
