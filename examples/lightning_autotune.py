@@ -1,6 +1,6 @@
 """A LightningModule (a small CNN with BatchNorm) tuned at fit start by autotune's callback. Without a
 GPU the probe runs on the CPU budget device (AUTOTUNE_CPU_MEMORY bytes). The autotune lines are the
-ones the README shows."""
+ones docs/frameworks.md shows."""
 
 import lightning as L
 import torch
@@ -13,7 +13,7 @@ from autotune.integrations.lightning import AutotuneBatchSize
 class Classifier(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.batch_size = 8  # autotune sets it
+        self.batch_size = 8  # 8 x 32 accumulation steps = 256 a step; autotune sets it
         self.net = nn.Sequential(
             nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
             nn.Linear(8, 10),
@@ -32,10 +32,10 @@ class Classifier(L.LightningModule):
 
 
 module = Classifier()
-tuner = AutotuneBatchSize(effective_batch=256)  # L.Trainer(..., callbacks=[tuner])
+tuner = AutotuneBatchSize()  # L.Trainer(..., callbacks=[tuner]): keeps batch_size x accumulate_grad_batches
 trainer = L.Trainer(
     max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    callbacks=[tuner],
+    accumulate_grad_batches=32, callbacks=[tuner],
 )  # fmt: skip
 trainer.fit(module)
 

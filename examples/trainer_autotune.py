@@ -1,6 +1,6 @@
 """The Hugging Face Trainer, tuned by autotune: a tiny GPT-2 from its config on synthetic token
 sequences of unequal lengths. Without a GPU the probe runs on the CPU budget device
-(AUTOTUNE_CPU_MEMORY bytes). The autotune lines are the ones the README shows."""
+(AUTOTUNE_CPU_MEMORY bytes). The autotune lines are the ones docs/frameworks.md shows."""
 
 import tempfile
 
@@ -27,11 +27,11 @@ dataset = [{"input_ids": torch.randint(0, 128, (n,)).tolist()} for n in lengths]
 model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=64))
 args = TrainingArguments(
     output_dir=tempfile.mkdtemp(), max_steps=3, report_to="none", save_strategy="no", logging_strategy="no",
-    use_cpu=not torch.cuda.is_available(),
+    per_device_train_batch_size=8, gradient_accumulation_steps=8, use_cpu=not torch.cuda.is_available(),
 )  # fmt: skip
 trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collate)
 
-tune_trainer(trainer, effective_batch=64)  # sets per_device_train_batch_size and gradient_accumulation_steps
+tune_trainer(trainer)  # keeps the effective batch 8 x 8 = 64: sets the batch size and accumulation that fit
 trainer.train()
 
 print(trainer.autotune_result.plan.micro_batches, trainer.state.global_step)

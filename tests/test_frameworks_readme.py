@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.docs_text import page
+from tests.docs_text import page, section
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = page("docs/frameworks.md")
@@ -60,3 +60,67 @@ def test_each_framework_example_runs(script: str) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.fullmatch(printed, done.stdout.strip().splitlines()[-1]), done.stdout[-500:]
+
+
+# docs/frameworks.md's "Kept, refused, checked": each line (its bold lead) -> the tests that run it.
+CLAIMS_RUN_BY = {
+    "The job's effective batch.": [
+        "tests/test_integration_transformers.py::test_no_effective_batch_keeps_the_jobs_8_x_4",
+        "tests/test_integration_lightning.py::test_no_effective_batch_keeps_the_jobs_8_x_4",
+        "tests/test_integration_accelerate.py::test_no_effective_batch_keeps_the_jobs_64_x_16",
+        "tests/test_frameworks_readme.py::test_each_framework_example_runs",
+    ],
+    "The largest micro-batch, only when asked.": [
+        "tests/test_integration_transformers.py::test_max_asks_for_the_largest_micro_batch_without_accumulation",
+        "tests/test_integration_transformers.py::test_activation_checkpointing_set_in_the_arguments_is_probed",
+    ],
+    "The process as it was.": [
+        "tests/test_integration_side_effects.py::test_torch_cpu_random_state",
+        "tests/test_integration_side_effects.py::test_torch_cuda_random_states",
+        "tests/test_integration_side_effects.py::test_numpy_random_state",
+        "tests/test_integration_side_effects.py::test_python_random_state",
+        "tests/test_integration_side_effects.py::test_every_modules_train_or_eval_mode",
+        "tests/test_integration_side_effects.py::test_the_models_device",
+        "tests/test_integration_side_effects.py::test_the_models_weights_and_buffers",
+    ],
+    "`tune_accelerator` after `accelerator.prepare`.": [
+        "tests/test_integration_accelerate.py::test_tuning_after_prepare_is_refused",
+    ],
+    "Accelerate with a Dataset and no `effective_batch`.": [
+        "tests/test_integration_accelerate.py::test_a_dataset_without_effective_batch_is_refused_with_the_fix",
+    ],
+    "A Lightning accumulation schedule.": [
+        "tests/test_integration_lightning.py::test_an_accumulation_schedule_is_refused",
+    ],
+    "A loader that ignores the batch size autotune sets.": [
+        "tests/test_integration_transformers.py::test_a_loader_that_ignores_the_batch_size_is_refused",
+        "tests/test_integration_lightning.py::test_a_loader_that_ignores_the_batch_size_attribute_is_refused",
+    ],
+    "Gradient equivalence.": [
+        "tests/test_integration_transformers.py::test_a_bert_style_head_is_warned_with_the_factor_measured",
+        "tests/test_integration_transformers.py::test_the_fix_the_warning_names_makes_the_window_the_batch",
+        "tests/test_integration_transformers.py::test_the_gradient_check_passes_a_gpt2_head",
+        "tests/test_integration_lightning.py::test_a_summed_loss_is_warned_with_the_factor_and_a_mean_is_not",
+        "tests/test_integration_accelerate.py::test_a_summed_loss_is_warned_with_the_factor",
+    ],
+    "Progress.": [
+        "tests/test_integration_transformers.py::test_every_trial_is_logged_in_the_clis_words_and_the_plan_with_its_warning",
+        "tests/test_integration_accelerate.py::test_a_summed_loss_is_warned_with_the_factor",
+    ],
+    "Cost.": [
+        "tests/test_integration_transformers.py::test_the_trainer_gets_a_plan_verified_in_its_own_loop",
+        "tests/test_integration_lightning.py::test_no_effective_batch_keeps_the_jobs_8_x_4",
+        "tests/test_integration_accelerate.py::test_no_effective_batch_keeps_the_jobs_64_x_16",
+    ],
+}
+
+
+def test_every_kept_refused_and_checked_line_is_run_by_a_named_test() -> None:
+    text = section("docs/frameworks.md", "Kept, refused, checked")
+    leads = re.findall(r"^- \*\*(.+?)\*\*", text, re.M)
+    assert leads == list(CLAIMS_RUN_BY), "docs/frameworks.md's lines and CLAIMS_RUN_BY differ: name each line's tests"
+    for lead, tests in CLAIMS_RUN_BY.items():
+        assert tests, lead
+        for test in tests:
+            path, name = test.split("::")
+            assert f"def {name}(" in (ROOT / path).read_text(encoding="utf-8"), f"{lead}: {test} does not exist"

@@ -18,7 +18,7 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 from autotune import accumulate  # noqa: E402
 from autotune.devices.budget import BudgetDevice  # noqa: E402
-from autotune.errors import DoubleScalingError  # noqa: E402
+from autotune.errors import ConfigError, DoubleScalingError  # noqa: E402
 from autotune.integrations.accelerate import tune_accelerator  # noqa: E402
 from autotune.plans.plan import plan  # noqa: E402
 from autotune.plans.sampler import PlanBatchSampler  # noqa: E402
@@ -144,3 +144,69 @@ def test_fewest_steps_leaves_the_accelerator_at_one_step_for_autotune_accumulate
     assert result.plan is not None and result.plan.accumulation_steps > 1
     assert accelerator.gradient_accumulation_steps == 1
     next(accumulate([torch.ones(2, 1)] * 2, result.plan))  # no double scaling to refuse
+
+
+# The job as configured ------------------------------------------------------------------------
+def test_no_effective_batch_keeps_the_jobs_64_x_16() -> None:
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=16)
+    model = mlp()
+    loader = DataLoader(Rows(), batch_size=64)
+    result = tune_accelerator(
+        accelerator, model, torch.optim.AdamW(model.parameters()), loader, loss=mse, memory=MEMORY, headroom=0
+    )
+    tuning = result.framework
+    assert tuning.effective_batch_from == "job"
+    assert (tuning.job.micro_batch, tuning.job.accumulation_steps, tuning.job.effective_batch) == (64, 16, 1024)
+    assert result.plan.effective_batch == 1024 and result.plan.accumulation_steps > 1
+    assert accelerator.gradient_accumulation_steps == result.plan.accumulation_steps == tuning.tuned.accumulation_steps
+    assert tuning.tuned.micro_batch == result.plan.micro_batch
+    # Accelerate's loop holds one micro-batch at a time: no trial beyond two micro-steps.
+    assert max(t.micro_steps for t in result.trials) == 2
+    assert tuning.gradient_check.equivalent  # a mean loss, divided by the steps: the window is the batch
+
+
+def test_a_dataset_without_effective_batch_is_refused_with_the_fix() -> None:
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=4)
+    model = mlp()
+    with pytest.raises(
+        ConfigError, match=r"data is not a DataLoader, so the job's effective batch is unknown: pass effective_batch="
+    ):
+        tune_accelerator(
+            accelerator, model, torch.optim.SGD(model.parameters(), lr=0.1), Rows(), loss=mse, memory=MEMORY
+        )
+
+
+def test_tuning_after_prepare_is_refused() -> None:
+    """A prepared loader keeps its batch size: the plan's micro-batch would never run (16 samples a
+    step instead of 48, before this refusal)."""
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer, _loader = accelerator.prepare(model, optimizer, DataLoader(Rows(), batch_size=8))
+    with pytest.raises(
+        ConfigError,
+        match=r"after accelerator.prepare \(it prepared .*a DataLoader of batch size 8\).*call tune_accelerator first",
+    ):
+        tune_accelerator(accelerator, model, optimizer, Rows(), effective_batch=48, loss=mse, memory=MEMORY, headroom=0)
+
+
+def test_a_summed_loss_is_warned_with_the_factor(capsys: pytest.CaptureFixture[str]) -> None:
+    def summed(model: nn.Module, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(model(x), y, reduction="sum")
+
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = mlp()
+    result = tune_accelerator(
+        accelerator, model, torch.optim.SGD(model.parameters(), lr=0.1), Rows(), effective_batch=EFFECTIVE_BATCH,
+        loss=summed, memory=MEMORY, headroom=0, progress=True,
+    )  # fmt: skip
+    check = result.framework.gradient_check
+    steps = result.plan.accumulation_steps
+    assert not check.equivalent and check.factor == pytest.approx(1 / steps, rel=1e-3), check
+    warning = next(w for w in result.plan.warnings if "accumulation does not train like" in w)
+    assert f"gave {check.factor:.2f}x the gradient" in warning
+    # progress=True: the command line's table of trials on stderr, then the plan.
+    shown = capsys.readouterr().err
+    assert "tuning Sequential in Accelerate's loop" in shown and "batch" in shown
+    assert f"autotune: micro-batch {result.plan.micro_batch} x {steps} accumulation steps" in shown

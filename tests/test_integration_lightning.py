@@ -19,6 +19,7 @@ import torch
 pl = pytest.importorskip("lightning.pytorch")
 
 from autotune.devices.budget import BudgetDevice  # noqa: E402
+from autotune.errors import ConfigError  # noqa: E402
 from autotune.integrations.lightning import AutotuneBatchSize  # noqa: E402
 from tests import lightning_job  # noqa: E402
 from tests.lightning_job import EFFECTIVE_BATCH, MEMORY, Net  # noqa: E402
@@ -120,3 +121,65 @@ def test_under_two_process_ddp_both_ranks_get_rank_zeros_values(tmp_path: Path) 
     (micro, accumulation) = values.pop()
     assert micro * accumulation * 2 == EFFECTIVE_BATCH and accumulation >= 1
     assert [r["steps"] for r in ranks] == [2, 2]
+
+
+# The job as configured ------------------------------------------------------------------------
+def _fit(root: Path, module: Net, **kwargs: Any) -> tuple[AutotuneBatchSize, Any]:
+    tuner = kwargs.pop("tuner", None) or AutotuneBatchSize(memory=MEMORY, headroom=0)
+    trainer = lightning_job.trainer(root, max_steps=1, callbacks=[*kwargs.pop("callbacks", []), tuner], **kwargs)
+    trainer.fit(module)
+    return tuner, trainer
+
+
+def test_no_effective_batch_keeps_the_jobs_8_x_4(tmp_path: Path) -> None:
+    module = Net(batch_size=8)
+    tuner, trainer = _fit(tmp_path, module, accumulate_grad_batches=4)
+    result = tuner.result
+    tuning = result.framework
+    assert tuning.effective_batch_from == "job"
+    assert (tuning.job.micro_batch, tuning.job.accumulation_steps, tuning.job.effective_batch) == (8, 4, 32)
+    assert result.plan.effective_batch == 32
+    assert module.batch_size * trainer.accumulate_grad_batches == 32
+    assert (tuning.tuned.micro_batch, tuning.tuned.accumulation_steps) == (
+        module.batch_size,
+        trainer.accumulate_grad_batches,
+    )
+    # Lightning's loop holds one micro-batch at a time: no trial beyond two micro-steps (the
+    # plan's own number of micro-steps is not searched again), and the trials and seconds are in the result.
+    assert max(t.micro_steps for t in result.trials) == 2
+    assert tuning.trials == len(result.trials) and tuning.seconds > 0
+
+
+def test_an_accumulation_schedule_is_refused(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    with pytest.raises(
+        ConfigError, match=r"changes it by epoch \(\{0: 1, 2: 4\}\): remove the GradientAccumulationScheduler"
+    ):
+        _fit(tmp_path, Net(), callbacks=[GradientAccumulationScheduler({0: 1, 2: 4})])
+
+
+def test_a_loader_that_ignores_the_batch_size_attribute_is_refused(tmp_path: Path) -> None:
+    class Fixed(Net):
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(lightning_job.Images(), batch_size=16)
+
+    with pytest.raises(ConfigError, match=r"sets 'batch_size' \(4\), and the train dataloader has batches of 16"):
+        _fit(tmp_path, Fixed())
+
+
+class SummedLoss(Net):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        images, labels = batch
+        return torch.nn.functional.cross_entropy(self.net(images), labels, reduction="sum")
+
+
+def test_a_summed_loss_is_warned_with_the_factor_and_a_mean_is_not(tmp_path: Path) -> None:
+    summed, _trainer = _fit(tmp_path / "sum", SummedLoss(batch_size=8), accumulate_grad_batches=16)
+    check = summed.result.framework.gradient_check
+    steps = summed.result.plan.accumulation_steps
+    assert not check.equivalent and check.factor == pytest.approx(1 / steps, rel=1e-3), check
+    warning = next(w for w in summed.result.plan.warnings if "accumulation does not train like" in w)
+    assert f"gave {check.factor:.2f}x the gradient" in warning and "not a sum" in warning
+    mean, _trainer = _fit(tmp_path / "mean", Net(batch_size=8), accumulate_grad_batches=16)
+    assert mean.result.framework.gradient_check.equivalent
