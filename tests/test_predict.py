@@ -3,6 +3,7 @@ search (with the reason) when the op sequence depends on the batch size."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -17,6 +18,7 @@ from autotune.engine.search import search
 from autotune.engine.trial import TrialRunner
 from autotune.results import ProbeResult
 from autotune.workloads.targets import resolve
+from tests import predict_workloads
 
 MIB = 2**20
 
@@ -140,6 +142,14 @@ def test_op_sequences_that_always_differ_fall_back_to_the_plain_search() -> None
     assert prediction is not None
     assert prediction.predicted_max_micro_batch is None and prediction.exact is None
     assert prediction.fallback_reason is not None and "differ" in prediction.fallback_reason
+    # The reason names the code whose ops grow with the batch (the model's loop over bits), not "the step".
+    source, first = inspect.getsourcelines(predict_workloads._Net.forward)
+    line = first + next(i for i, text in enumerate(source) if "x = x * 1.0" in text)
+    single = result.answers[0].prediction
+    assert single is not None and single.fallback_reason is not None
+    assert f"the code at tests/predict_workloads.py:{line} in forward runs 4/6/8 ops at batch 2/4/8" in (
+        single.fallback_reason
+    )
     _assert_verified(result)
     # The timeline trials are reused by the plain search, never repeated.
     assert [t.batch for t in result.loop_trials()][:4] == [4, 2, 8, 1]

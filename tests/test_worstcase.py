@@ -186,6 +186,64 @@ def test_tuple_samples_are_named_by_position() -> None:
     assert worst.shapes == {"0": [1, 3], "1": [1]}
 
 
+def image(height: int, width: int) -> torch.Tensor:
+    return torch.ones(3, height, width)
+
+
+def pad_images(samples: list[Any]) -> dict[str, torch.Tensor]:
+    """Every image padded to the tallest and the widest of its batch, every caption to the longest."""
+    images = [s["pixels"] for s in samples]
+    height, width = max(i.shape[1] for i in images), max(i.shape[2] for i in images)
+    pixels = torch.zeros(len(samples), 3, height, width)
+    for row, i in enumerate(images):
+        pixels[row, :, : i.shape[1], : i.shape[2]] = i
+    batch = {"pixels": pixels}
+    if "caption" in samples[0]:
+        batch["caption"] = pad_sequence([s["caption"] for s in samples], batch_first=True)
+    return batch
+
+
+def test_images_of_both_orientations_pad_to_the_tallest_and_the_widest() -> None:
+    """The largest image (56x64) alone is not the worst batch: the tallest (64x48) and it pad to
+    64x64, which no image is. Each dimension's leader is kept, and batches pad to all of them."""
+    data = Samples([{"pixels": image(h, w)} for h, w in [(32, 40), (56, 64), (40, 32), (64, 48), (48, 56)]])
+
+    worst = find_worst_case(data, pad_images)
+
+    assert worst.indices == (1, 3)  # the largest, then the tallest; the largest is also the widest
+    assert worst.shapes == {"pixels": [2, 3, 64, 64]}
+    make_batch = worst_case_maker(data, pad_images, worst)
+    assert make_batch(1, CPU)["pixels"].shape == (1, 3, 56, 64)  # one row: the largest image alone
+    assert make_batch(5, CPU)["pixels"].shape == (5, 3, 64, 64)
+
+
+def test_two_padded_fields_keep_each_dimensions_leader_and_the_smaller_batches_their_largest_subset() -> None:
+    """Images and captions: the tallest, the widest and the longest caption are three samples, and
+    the largest in all a fourth; a batch of two takes the pair that pads largest."""
+    data = Samples(
+        [
+            {"pixels": image(64, 16), "caption": seq(4)},  # the tallest
+            {"pixels": image(16, 64), "caption": seq(4)},  # the widest
+            {"pixels": image(16, 16), "caption": seq(90)},  # the longest caption
+            {"pixels": image(40, 40), "caption": seq(8)},  # the most bytes in all
+            {"pixels": image(8, 8), "caption": seq(2)},
+        ]
+    )
+
+    worst = find_worst_case(data, pad_images)
+
+    assert sorted(worst.indices) == [0, 1, 2, 3]
+    assert worst.indices[0] == 3  # the largest first: a batch of one is the worst sample alone
+    assert worst.shapes == {"pixels": [4, 3, 64, 64], "caption": [4, 90]}
+    make_batch = worst_case_maker(data, pad_images, worst)
+    for size in (4, 7):
+        batch = make_batch(size, CPU)
+        assert batch["pixels"].shape == (size, 3, 64, 64) and batch["caption"].shape == (size, 90)
+    pair = make_batch(2, CPU)  # the tallest and the widest: 2x3x64x64 floats outweigh any caption
+    assert pair["pixels"].shape == (2, 3, 64, 64) and pair["caption"].shape == (2, 4)
+    assert make_batch(1, CPU)["pixels"].shape == (1, 3, 40, 40)
+
+
 @pytest.mark.parametrize(("size", "longest_input"), [(1, 4), (2, 6), (5, 6)])  # one row: the worst sample alone
 def test_make_batch_returns_size_rows_cycling_through_the_worst_samples(size: int, longest_input: int) -> None:
     data = Samples([{"input_ids": seq(4, value=7), "labels": seq(9, value=8)}, {"input_ids": seq(6), "labels": seq(1)}])
@@ -292,14 +350,46 @@ def test_an_empty_dataset_is_a_workload_error(data: Any) -> None:
         find_worst_case(data)
 
 
-def test_a_sample_the_collate_function_rejects_is_named() -> None:
+def test_a_sample_the_collate_function_rejects_is_named_with_the_collate_functions_place() -> None:
     def picky(samples: list[int]) -> torch.Tensor:
         if 5 in samples:
             raise ValueError("five is not allowed")
         return torch.tensor(samples)
 
-    with pytest.raises(WorkloadError, match="collating sample 5 alone failed: ValueError: five is not allowed"):
+    line = picky.__code__.co_firstlineno
+    with pytest.raises(WorkloadError) as caught:
         find_worst_case(Samples(list(range(8))), picky)
+    assert str(caught.value) == (
+        f"collating sample 5 alone failed: ValueError: five is not allowed (at tests/test_worstcase.py:{line + 2} in "
+        f"picky); the collate function: {picky.__qualname__} at tests/test_worstcase.py:{line}"
+    )
+    assert isinstance(caught.value.__cause__, ValueError)  # the job's own error, kept
+
+
+def test_a_field_the_collate_function_asks_for_and_the_sample_lacks_is_named() -> None:
+    def with_lengths(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return {"tokens": pad_sequence([s["tokens"] for s in samples], batch_first=True),
+                "lengths": torch.tensor([len(s["lengths"]) for s in samples])}  # fmt: skip
+
+    with pytest.raises(WorkloadError, match=r"sample 0 has no field 'lengths' \(its fields: tokens, label\)"):
+        find_worst_case(Samples([{"tokens": seq(3), "label": seq(1)}]), with_lengths)
+
+
+def test_samples_that_torchs_default_collate_cannot_stack_name_the_field_and_collate() -> None:
+    """Accelerate's and from_model's Dataset without collate= are collated by torch's default_collate."""
+    data = Samples([{"tokens": seq(12), "labels": seq(30)}, {"tokens": seq(40), "labels": seq(3)}])
+
+    with pytest.raises(WorkloadError) as caught:
+        find_worst_case(data)
+    message = str(caught.value)
+    assert message.startswith("collating 2 samples from 1, 0 failed: RuntimeError: stack expects each tensor")
+    assert "(field 'tokens' is [40] in sample 1, [12] in sample 0; field 'labels' is [3] in sample 1, [30] in " in (
+        message
+    )
+    assert message.endswith(
+        "torch's default_collate stacks samples of one size only: pass collate=, the collate function of the job's "
+        "DataLoader (a DataLoader brings its own)"
+    )
 
 
 def test_describe_and_input_spec_of_a_full_scan() -> None:

@@ -6,6 +6,7 @@ device is its limit, its counters and a reset, whatever the device is.
     cuda       a CUDA GPU as a probing device: the headroom cap and the caching allocator's counters
     nvml       the GPU inventory as NVML reports it (never initialises CUDA)
     allocator  a pure-Python model of CUDA's caching allocator (the budget device's AUTOTUNE_ALLOCATOR=cuda)
+    host       the job's host-side work (its collate), which no device counts; the code that ran an op
 
 May import: errors, units, results. Never `engine`, `workloads`, `plans`, `cli` or `api`.
 """

@@ -15,7 +15,9 @@ an op that allocates nothing never raises, and the message starts as CUDA's
 Accelerate's finders, users' own handlers) treats it as an OOM. Code in an `except` block runs.
 
 Tensors created before the mode (the model's parameters and buffers) are registered with
-`track`; anything else is registered the first time an op reads it.
+`track`; anything else is registered the first time an op reads it. The job's host-side work
+(`autotune.devices.host.on_host`: collating a batch from its samples) is neither counted nor
+recorded: on a GPU it is the host's memory, and its batch reaches the device as a copy.
 
 What fills the memory at the peak (`peak_breakdown`): the trial marks storages with their role
 (`mark`: parameters, gradients, optimizer state) and the counter keeps a live total per role. Each
@@ -45,6 +47,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from autotune.devices import host
 from autotune.devices.allocator import AllocatorConfig, AllocatorOutOfMemory, CachingAllocatorModel
 from autotune.errors import ConfigError
 from autotune.results import AllocatorState, MemoryBreakdown, MemoryRole
@@ -77,10 +80,10 @@ class _Counter:
         self.peak_roles: dict[MemoryRole, int] = {}
         self.peak_op: object = None
         self.peak_serial = 0
-        # When a list, every op appends ("op", name, live bytes after it) and every storage
-        # ("born", key, raw bytes) / ("died", key, counted bytes): the memory-curve predictor
-        # (autotune.engine.predict) compares these across batch sizes.
-        self.timeline: list[tuple[str, int | str, int]] | None = None
+        # When a list, every op appends ("op", name, live bytes after it) then ("site", the code
+        # that ran it, 0), and every storage ("born", key, raw bytes) / ("died", key, counted
+        # bytes): the memory-curve predictor (autotune.engine.predict) compares these across sizes.
+        self.timeline: list[tuple[str, Any, int]] | None = None
         # The caching allocator's model (None: exact counting) and each storage's block in it. A
         # storage the model could not place is `refused` (the op that made it then fails).
         self.allocator: CachingAllocatorModel | None = None
@@ -347,9 +350,10 @@ class BudgetDevice:
         return copy.deepcopy(counter.allocator), dict(counter.blocks)
 
     @contextmanager
-    def record_timeline(self) -> Iterator[list[tuple[str, int | str, int]]]:
-        """Record every op (name, live bytes after it) and every storage's birth and death."""
-        timeline: list[tuple[str, int | str, int]] = []
+    def record_timeline(self) -> Iterator[list[tuple[str, Any, int]]]:
+        """Record every op (name, live bytes after it, the code that ran it) and every storage's
+        birth and death; host-side work (`autotune.devices.host.on_host`) is not recorded."""
+        timeline: list[tuple[str, Any, int]] = []
         self._counter.timeline = timeline
         try:
             yield timeline
@@ -375,6 +379,8 @@ def _counted_resizes(counter: _Counter, limit_bytes: int) -> Iterator[None]:
     original = torch.UntypedStorage.resize_
 
     def resize_(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
+        if host.active():
+            return original(storage, size)
         before_size = storage.nbytes()
         counter.op = "UntypedStorage.resize_"
         result = original(storage, size)
@@ -414,6 +420,8 @@ class _BudgetMode(TorchDispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if host.active():  # the job's host-side work (its collate): no device memory, no timeline
+            return func(*args, **(kwargs or {}))
         counter = self.counter
         counter.op = func
         inputs, _ = tree_flatten((args, kwargs))
@@ -445,6 +453,7 @@ class _BudgetMode(TorchDispatchMode):
             )
         if counter.timeline is not None:
             counter.timeline.append(("op", str(func), counter.live))
+            counter.timeline.append(("site", host.code_site(), 0))
         return out
 
 

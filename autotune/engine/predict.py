@@ -36,9 +36,11 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autotune.devices import host
 from autotune.devices.allocator import AllocatorOutOfMemory, CachingAllocatorModel
 from autotune.devices.budget import ROUNDING
 from autotune.devices.device import ProbeDevice
+from autotune.devices.host import Site
 from autotune.engine.search import (
     MAKE_BATCH_HINT,
     MAX_PREDICTED_BATCH,
@@ -50,6 +52,7 @@ from autotune.engine.search import (
 from autotune.errors import FlatMemoryError, NothingFitsError
 from autotune.results import CurvePoint, Prediction, TrialRecord
 from autotune.units import format_bytes
+from autotune.workloads.usercode import shown
 
 # Batch 1 can run a different op sequence (a squeezed dimension, a fast path), so the pair starts
 # at 2; the third size is the second pair's upper end when the first pair's sequences differ.
@@ -88,13 +91,15 @@ class AllocationTrace:
 
 @dataclass(frozen=True)
 class Timeline:
-    """Live bytes after every op of one trial at one batch size."""
+    """Live bytes after every op of one trial at one batch size, and the code that ran each op
+    (`autotune.devices.host.code_site`: file, line, function; None where no Python code did)."""
 
     batch: int
     ops: tuple[str, ...]
     live: tuple[int, ...]
     storages: StorageLog | None = None
     trace: AllocationTrace | None = None
+    sites: tuple[Site | None, ...] = ()
 
 
 def parse_events(
@@ -112,11 +117,14 @@ def parse_events(
     died_at: list[int] = []
     nbytes: list[int] = []
     older: list[tuple[int, int]] = []
+    sites: list[Site | None] = []
     serial_of: dict[int, int] = {}
     for kind, what, value in events:
         if kind == "op":
             ops.append(str(what))
             live.append(value)
+        elif kind == "site":
+            sites.append(what)
         elif kind == "born":
             serial_of[what] = len(born_at)
             order.append((0, len(born_at)))
@@ -133,11 +141,54 @@ def parse_events(
                 order.append((1, serial))
     log = StorageLog(base, tuple(born_at), tuple(died_at), tuple(nbytes), tuple(older))
     trace = None if allocator is None else AllocationTrace(tuple(order), allocator[0], allocator[1])
-    return Timeline(batch, tuple(ops), tuple(live), log, trace)
+    return Timeline(batch, tuple(ops), tuple(live), log, trace, tuple(sites) if len(sites) == len(ops) else ())
 
 
 def same_ops(a: Timeline, b: Timeline) -> bool:
     return a.ops == b.ops
+
+
+def where_ops_differ(timelines: Sequence[Timeline]) -> str:
+    """Which code makes the timelines' op sequences differ, for the reason of a fallback: the first
+    place (file:line in function) that runs a different number of ops at each size, else the
+    first op at which the sequences part and the place that ran it."""
+    sizes = "/".join(str(t.batch) for t in timelines)
+    if all(t.sites for t in timelines):
+        counts = [_ops_per_site(t) for t in timelines]
+        order = list(dict.fromkeys(site for t in timelines for site in t.sites))
+        for site in order:
+            per_size = [c.get(site, 0) for c in counts]
+            if len(set(per_size)) > 1:
+                return (
+                    f"{_place(site)} runs {'/'.join(str(n) for n in per_size)} ops at batch {sizes}: its ops depend "
+                    "on the batch size (a loop over the rows?)"
+                )
+    first, second = timelines[0], timelines[1]
+    index = next(
+        (i for i, (x, y) in enumerate(zip(first.ops, second.ops, strict=False)) if x != y),
+        min(len(first.ops), len(second.ops)),
+    )
+    ran = [f"{_op(t, index)} at batch {t.batch}" for t in (first, second)]
+    site = next((t.sites[index] for t in (first, second) if index < len(t.sites)), None)
+    return f"they part at op {index + 1} ({', '.join(ran)}), run by {_place(site)}"
+
+
+def _ops_per_site(timeline: Timeline) -> dict[Site | None, int]:
+    counts: dict[Site | None, int] = {}
+    for site in timeline.sites:
+        counts[site] = counts.get(site, 0) + 1
+    return counts
+
+
+def _op(timeline: Timeline, index: int) -> str:
+    return timeline.ops[index] if index < len(timeline.ops) else "no op (the trial ended)"
+
+
+def _place(site: Site | None) -> str:
+    if site is None:
+        return "code outside Python (the autograd engine)"
+    filename, line, function = site
+    return f"the code at {shown(filename)}:{line} in {function}"
 
 
 # Models ---------------------------------------------------------------------------------------
@@ -359,7 +410,9 @@ class _AllocatedTimeline(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         out = func(*args, **(kwargs or {}))
-        self.events.append(("op", str(func), self.read()))
+        if not host.active():  # the job's host-side work (its collate) is no op of the device's
+            self.events.append(("op", str(func), self.read()))
+            self.events.append(("site", host.code_site(), 0))
         return out
 
 
@@ -396,7 +449,7 @@ def record_trial(trial: TrialFn, device: ProbeDevice, batch: int) -> tuple[Trial
         return record, None
     timeline = parse_events(batch, base, events, snapshot)
     if not any(kind in ("born", "died") for kind, _, _ in events):
-        timeline = Timeline(batch, timeline.ops, timeline.live, None)
+        timeline = Timeline(batch, timeline.ops, timeline.live, None, sites=timeline.sites)
     return record, timeline
 
 
@@ -452,10 +505,14 @@ def predicted_search(
     elif same_ops(timelines[ladder[0]], timelines[ladder[1]]):
         pair = (timelines[ladder[0]], timelines[ladder[1]])
     elif cap is not None and cap < ladder[2]:
-        reason = f"op sequences differ between batch {ladder[0]} and {ladder[1]}, and the cap is below {ladder[2]}"
+        reason = (
+            f"op sequences differ between batch {ladder[0]} and {ladder[1]} "
+            f"({where_ops_differ([timelines[b] for b in ladder[:2]])}), and the cap is below {ladder[2]}"
+        )
     elif not probe(ladder[2]):
         reason = (
-            f"op sequences differ between batch {ladder[0]} and {ladder[1]}, and probe batch {ladder[2]} did not fit"
+            f"op sequences differ between batch {ladder[0]} and {ladder[1]} "
+            f"({where_ops_differ([timelines[b] for b in ladder[:2]])}), and probe batch {ladder[2]} did not fit"
         )
     elif same_ops(timelines[ladder[1]], timelines[ladder[2]]):
         pair = (timelines[ladder[1]], timelines[ladder[2]])
@@ -465,8 +522,8 @@ def predicted_search(
         pair = (timelines[ladder[0]], timelines[ladder[2]])
     else:
         reason = (
-            f"op sequences differ between batch {ladder[0]}, {ladder[1]} and {ladder[2]}: "
-            "the step depends on the batch size, so nothing can be extrapolated"
+            f"op sequences differ between batch {ladder[0]}, {ladder[1]} and {ladder[2]}, so nothing can be "
+            f"extrapolated: {where_ops_differ([timelines[b] for b in ladder])}"
         )
 
     probes = list(known.values())

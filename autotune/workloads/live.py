@@ -11,7 +11,8 @@
 - the data: a DataLoader (its dataset and collate function) or a Dataset (with `collate`) is
   scanned for its worst-case samples and batches of any size are collated from them
   (`autotune.workloads.worstcase`); anything else is one batch of the job's, whose rows are repeated to make
-  any size;
+  any size. Either way the batch is made on the host and copied to the device, which counts the
+  batch and not what it was made from;
 - the loss: a function of (model, batch), or by default the model's own loss, `model(**batch).loss`
   (a Hugging Face model given labels), as the Trainer takes it.
 
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from autotune.devices.host import on_host
 from autotune.errors import WorkloadError
 
 if TYPE_CHECKING:
@@ -100,7 +102,8 @@ def model_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     return loss
 
 
-def _is_dataset(data: Any) -> bool:
+def is_dataset(data: Any) -> bool:
+    """Whether `data` is a dataset to scan (or a DataLoader), not one batch."""
     if isinstance(data, (torch.utils.data.Dataset, torch.utils.data.DataLoader)):
         return True
     if isinstance(data, (torch.Tensor, Mapping, list, tuple)):
@@ -115,21 +118,23 @@ def batch_maker(
     """make_batch(b, device), and the input spec that names the samples and shapes it uses."""
     from autotune.workloads import worstcase
 
-    if _is_dataset(data):
+    if is_dataset(data):
         worst = worstcase.find_worst_case(data, collate, limit=scan_limit)
         return worstcase.worst_case_maker(data, collate, worst), worst.input_spec()
     if collate is not None:
         raise WorkloadError("collate= goes with a Dataset; batch= is one batch here, already collated")
 
     def make_batch(size: int, device: torch.device) -> Any:
-        return worstcase.to_device(worstcase.repeat_batch(data, size), device)
+        # The rows are repeated on the host, as a loader would collate them; the device holds the batch.
+        with on_host():
+            rows = worstcase.repeat_batch(data, size)
+        return worstcase.to_device(rows, device)
 
-    shapes = {
-        f"input{i}": "x".join(str(d) for d in t.shape)
-        for i, t in enumerate(torch.utils._pytree.tree_flatten(data)[0])
-        if isinstance(t, torch.Tensor)
-    }
-    return make_batch, {"batch": "given, rows repeated", **shapes}
+    spec: dict[str, str | int | float | bool] = {"batch": "given, rows repeated"}
+    for path, shape in worstcase.field_shapes(data).items():
+        # Fields by their keys (a dict batch's `input_ids`), as a dataset's are.
+        spec[path if path not in spec else f"shape.{path}"] = "x".join(str(d) for d in shape) or "scalar"
+    return make_batch, spec
 
 
 def live_parts(

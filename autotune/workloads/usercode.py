@@ -45,7 +45,7 @@ def _is_users(filename: str) -> bool:
     return not any(path.is_relative_to(library) for library in _LIBRARIES)
 
 
-def _shown(filename: str) -> str:
+def shown(filename: str) -> str:
     """A path as the user wrote it: relative to the current directory when it is under it."""
     path = Path(filename).resolve()
     try:
@@ -57,10 +57,10 @@ def _shown(filename: str) -> str:
 def where(exc: BaseException) -> str | None:
     """`file:line in function` of the last frame of `exc`'s traceback in the user's code, or None."""
     if isinstance(exc, SyntaxError) and exc.filename and _is_users(exc.filename):
-        return f"{_shown(exc.filename)}:{exc.lineno}"
+        return f"{shown(exc.filename)}:{exc.lineno}"
     for frame in reversed(traceback.extract_tb(exc.__traceback__)):
         if _is_users(frame.filename):
-            return f"{_shown(frame.filename)}:{frame.lineno} in {frame.name}"
+            return f"{shown(frame.filename)}:{frame.lineno} in {frame.name}"
     return None
 
 
