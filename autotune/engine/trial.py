@@ -30,6 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -140,6 +141,8 @@ class TrialRunner:
         kind: TrialFailure | None = None
         not_oom: str | None = None
         details: str | None = None
+        cause: BaseException | None = None
+        kept: list[tuple[BaseException, TracebackType | None]] = []
         try:
             with self.device.active(), self._marking_roles():
                 step_seconds = self._train_loop(batch, loop)
@@ -160,6 +163,9 @@ class TrialRunner:
                 not_oom = f"an error that is not out-of-memory: {usercode.describe(exc)}"
             if not_oom is not None:
                 details = usercode.formatted(exc)  # for --debug; before release() clears the frames
+                # The job's error travels as the cause, with the job's frames only (released of
+                # their locals: the step's tensors), for an integration to raise as the job's own.
+                cause, kept = exc, usercode.users_tracebacks(exc)
             oom.release(exc)
         leak = None if not_oom is not None else self.leak(batch, ran_out=kind == "oom")
         seconds = time.perf_counter() - started
@@ -172,7 +178,8 @@ class TrialRunner:
         if not_oom is not None:
             error = NotAnOOMError(f"batch {batch} failed with {not_oom}", batch=batch, original=not_oom)
             error.traceback = details
-            raise error
+            usercode.restore(kept)
+            raise error from cause
         return TrialRecord(
             batch=batch,
             fits=failure is None,

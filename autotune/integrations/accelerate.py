@@ -55,6 +55,7 @@ from autotune.integrations.job import (
     tuning_record,
     with_tuning,
 )
+from autotune.integrations.reporting import default_collate_hint, reports_to_the_caller
 from autotune.plans.plan import Policy, parse_policy
 from autotune.results import JobBatch, LoopShape, ProbeResult, TrialRecord
 from autotune.workloads.live import model_loss
@@ -145,6 +146,7 @@ def _prepared(accelerator: Accelerator, objects: tuple[Any, ...]) -> str | None:
     return ", ".join(named) or None
 
 
+@reports_to_the_caller(hint=default_collate_hint)
 def tune_accelerator(
     accelerator: Accelerator,
     model: nn.Module,

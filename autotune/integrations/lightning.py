@@ -45,7 +45,7 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_has
 
 from autotune.engine.probe import device_spec, probe_workload
 from autotune.engine.trial import TrainLoop, TrialRunner
-from autotune.errors import ConfigError, ProbeError
+from autotune.errors import AutotuneError, ConfigError, ProbeError
 from autotune.integrations import gradients, micro_and_accumulation
 from autotune.integrations.job import (
     EffectiveBatch,
@@ -59,6 +59,7 @@ from autotune.integrations.job import (
     valid_effective,
     with_tuning,
 )
+from autotune.integrations.reporting import for_the_caller, lightning_frames_cut
 from autotune.plans.plan import Policy
 from autotune.results import JobBatch, LoopShape, ProbeResult
 from autotune.workloads import worstcase
@@ -186,6 +187,12 @@ class AutotuneBatchSize(pl.Callback):
         self.check_gradients, self.progress = check_gradients, progress
         self.result: ProbeResult | None = None
         self.values: tuple[int, int] | None = None
+        self._failure: BaseException | None = None
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # What this callback raised leaves fit through Lightning's frames: cut them (and ours).
+        if exception is self._failure or isinstance(exception, AutotuneError):
+            lightning_frames_cut(exception)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not lightning_hasattr(pl_module, self.batch_arg_name):
@@ -217,7 +224,9 @@ class AutotuneBatchSize(pl.Callback):
         # rank must stop when the probe failed rather than wait in a collective.
         values = trainer.strategy.broadcast(values, src=0)
         if failure is not None:
-            raise failure
+            # Raised as the user reads it: the job's own error with their frames, or ours, short.
+            self._failure = for_the_caller(failure) if isinstance(failure, AutotuneError) else failure
+            raise self._failure
         if not isinstance(values, tuple):
             raise ProbeError(f"AutotuneBatchSize: the probe on rank 0 failed: {values}")
         micro, accumulation = values

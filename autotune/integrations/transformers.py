@@ -53,6 +53,7 @@ from autotune.integrations.job import (
     tuning_record,
     with_tuning,
 )
+from autotune.integrations.reporting import reports_to_the_caller
 from autotune.plans.plan import Policy
 from autotune.results import JobBatch, LoopShape, ProbeResult, TrialRecord
 from autotune.workloads import worstcase
@@ -246,6 +247,7 @@ def _gradient_fix(trainer: Trainer) -> str:
     )
 
 
+@reports_to_the_caller()
 def tune_trainer(
     trainer: Trainer,
     effective_batch: EffectiveBatch = None,
