@@ -124,3 +124,67 @@ def test_every_kept_refused_and_checked_line_is_run_by_a_named_test() -> None:
         for test in tests:
             path, name = test.split("::")
             assert f"def {name}(" in (ROOT / path).read_text(encoding="utf-8"), f"{lead}: {test} does not exist"
+
+
+# docs/frameworks.md's "Errors and batches": each line (its bold lead) -> the tests that run it.
+ERRORS_AND_BATCHES_RUN_BY = {
+    "Your code's error, as your code raised it.": [
+        "tests/test_integration_errors.py::test_a_key_error_in_the_users_forward_prints_their_frames_in_at_most_15_lines",
+        "tests/test_integration_errors.py::test_autotune_debug_keeps_every_frame",
+    ],
+    "autotune's own errors, short.": [
+        "tests/test_integration_errors.py::test_autotunes_own_error_keeps_no_frame_of_autotunes_internals",
+    ],
+    "Collate errors name the sample, the field and the collate function.": [
+        "tests/test_worstcase.py::test_a_sample_the_collate_function_rejects_is_named_with_the_collate_functions_place",
+        "tests/test_worstcase.py::test_a_field_the_collate_function_asks_for_and_the_sample_lacks_is_named",
+        "tests/test_worstcase.py::test_samples_that_torchs_default_collate_cannot_stack_name_the_field_and_collate",
+    ],
+    "A missing `collate=`.": [
+        "tests/test_integration_errors.py::test_a_dataset_without_collate_names_the_missing_collate_argument",
+    ],
+    "The worst batch, per dimension.": [
+        "tests/test_live_batches.py::test_a_vit_over_images_of_both_orientations_answers_a_size_that_fits_its_real_padded_batches",
+        "tests/test_worstcase.py::test_images_of_both_orientations_pad_to_the_tallest_and_the_widest",
+        "tests/test_worstcase.py::test_two_padded_fields_keep_each_dimensions_leader_and_the_smaller_batches_their_largest_subset",
+    ],
+    "The device holds the batch, not its samples.": [
+        "tests/test_live_batches.py::test_the_budget_device_holds_the_batch_not_the_samples_it_was_collated_from",
+        "tests/test_live_batches.py::test_a_live_padded_sequence_probe_is_predicted_and_counts_what_a_module_workload_counts",
+    ],
+    "Predicted as module workloads are.": [
+        "tests/test_live_batches.py::test_a_live_padded_sequence_probe_is_predicted_and_counts_what_a_module_workload_counts",
+        "tests/test_live_batches.py::test_a_vit_over_images_of_both_orientations_answers_a_size_that_fits_its_real_padded_batches",
+        "tests/test_predict.py::test_op_sequences_that_always_differ_fall_back_to_the_plain_search",
+    ],
+    "Fields by their keys.": [
+        "tests/test_live_batches.py::test_one_batch_of_a_dict_names_its_fields_by_their_keys",
+    ],
+}
+
+
+def test_every_errors_and_batches_line_is_run_by_a_named_test() -> None:
+    text = section("docs/frameworks.md", "Errors and batches")
+    leads = re.findall(r"^- \*\*(.+?)\*\*", text, re.M)
+    assert leads == list(ERRORS_AND_BATCHES_RUN_BY), "name each line's tests in ERRORS_AND_BATCHES_RUN_BY"
+    for lead, tests in ERRORS_AND_BATCHES_RUN_BY.items():
+        assert tests, lead
+        for test in tests:
+            path, name = test.split("::")
+            assert f"def {name}(" in (ROOT / path).read_text(encoding="utf-8"), f"{lead}: {test} does not exist"
+
+
+def test_the_errors_traceback_shown_is_the_one_tests_check() -> None:
+    """The printed traceback of docs/frameworks.md: its shape is the one the tests hold each
+    integration to (the user's script first, one frame of autotune's, at most 15 lines)."""
+    (shown,) = re.findall(r"```text\n(.*?)```", section("docs/frameworks.md", "Errors and batches"), re.S)
+    lines = shown.splitlines()
+    assert len(lines) <= 15 and lines[0] == "Traceback (most recent call last):"
+    assert lines[1].startswith('  File "train.py"') and lines[-2] == "KeyError: 'features'"
+    code = (ROOT / "autotune/integrations/reporting.py").read_text(encoding="utf-8").splitlines()
+    raised = max(n for n, line in enumerate(code, 1) if line.strip() == "raise failure from failure.__cause__")
+    assert [line for line in lines if "autotune/" in line] == [
+        f'  File ".../autotune/integrations/reporting.py", line {raised}, in tune_accelerator'
+    ]
+    assert re.fullmatch(r"autotune: batch \d+ failed with an error that is not out-of-memory: KeyError: 'features' "
+                        r"\(at train\.py:\d+ in forward\)", lines[-1])  # fmt: skip

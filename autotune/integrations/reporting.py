@@ -8,8 +8,8 @@ the user's frames only and the one that raised it, and autotune's one line as a 
 
     Traceback (most recent call last):
       File "train.py", line 40, in <module>
-        tune_accelerator(accelerator, model, optimizer, dataset, loss=loss_fn)
-      File ".../autotune/integrations/reporting.py", line 60, in tune_accelerator
+        tune_accelerator(accelerator, model, optimizer, dataset, "max", loss=loss_fn)
+      File ".../autotune/integrations/reporting.py", line 66, in tune_accelerator
         raise failure from failure.__cause__
       File "train.py", line 21, in loss_fn
         return model(batch["features"])
