@@ -34,10 +34,15 @@ def _imports(path: Path, *, top_level_only: bool) -> set[str]:
     tree = ast.parse(path.read_text())
     nodes: list[ast.AST] = []
     if top_level_only:
-        for node in tree.body:
+        pending: list[ast.AST] = list(tree.body)
+        while pending:
+            node = pending.pop()
             if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
                 continue  # for the type checker only
-            nodes.extend(ast.walk(node))
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+                continue  # a function's imports run when it is called, not when the module is imported
+            nodes.append(node)
+            pending.extend(ast.iter_child_nodes(node))
     else:
         nodes = list(ast.walk(tree))
     names: set[str] = set()

@@ -299,54 +299,6 @@ def _check_effective_batch(effective_batch: int, world_size: int, max_batch: int
         )
 
 
-def check_listen(host: str, port: int, workers: int) -> None:
-    """Refuse a --host or --port that the service could not listen on, before it starts (uvicorn
-    would log its own words and exit 3): bind where uvicorn will bind, as it binds (SO_REUSEADDR, so
-    that a port left in TIME_WAIT passes), and let go. One worker binds every address the host
-    resolves to (asyncio's create_server); several share one socket of the host's family."""
-    import errno
-    import socket
-
-    try:
-        addresses: list[tuple[socket.AddressFamily, Any]]
-        if workers > 1:  # uvicorn's Config.bind_socket
-            family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            addresses = [(family, (host, port))]
-        else:
-            found = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-            addresses = list(dict.fromkeys((info[0], info[4]) for info in found))
-        for family, address in addresses:
-            with socket.socket(family, socket.SOCK_STREAM) as trial:
-                trial.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                if family == socket.AF_INET6:
-                    trial.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                trial.bind(address)
-    except socket.gaierror as exc:
-        raise ConfigError(
-            f"--host {host}: not an IP address or a name that resolves ({exc.strerror}); give one of this "
-            "machine's addresses, 127.0.0.1 (this machine alone) or 0.0.0.0 (every interface)"
-        ) from None
-    except OSError as exc:
-        if exc.errno == errno.EADDRINUSE:
-            raise ConfigError(
-                f"--port {port}: address already in use on {host}; pick another port with --port or stop the "
-                "process using it"
-            ) from None
-        if exc.errno == errno.EADDRNOTAVAIL:
-            raise ConfigError(
-                f"--host {host}: not an address of this machine ({exc.strerror}); give one of its addresses, "
-                "127.0.0.1 (this machine alone) or 0.0.0.0 (every interface)"
-            ) from None
-        if exc.errno == errno.EACCES and port < 1024:
-            raise ConfigError(
-                f"--port {port}: permission denied (ports below 1024 need privileges); pick a port from 1024 up "
-                "with --port"
-            ) from None
-        raise ConfigError(
-            f"--host {host} --port {port}: cannot listen there ({exc.strerror}); pick another --host or --port"
-        ) from None
-
-
 def load_settings() -> Settings:
     """The AUTOTUNE_* settings, or a ConfigError naming the variable that is wrong and its value."""
     from autotune.settings import get_settings
