@@ -145,7 +145,9 @@ def test_the_model_comes_back_in_its_mode_and_the_applications_gc_freeze_stays()
     try:
         frozen = gc.get_freeze_count()
         probe_workload(Workload.from_model(model, batch=ONE_BATCH, loss=loss_fn), memory=MEMORY, headroom=0)
-        assert gc.get_freeze_count() == frozen  # the probe did not thaw what the application froze
+        # The probe did not thaw what the application froze (a thaw empties the permanent generation;
+        # a frozen object that its last reference lets go of leaves it meanwhile, so not ==).
+        assert gc.get_freeze_count() > frozen - 1000
     finally:
         gc.unfreeze()
     assert not model.training

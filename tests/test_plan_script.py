@@ -44,4 +44,4 @@ def test_the_saved_plan_trains_a_script_with_exactly_the_effective_batch(tmp_pat
     )
     assert ran.returncode == 0, ran.stderr
     steps = eval(ran.stdout.split("]", 1)[0] + "]")
-    assert steps == [100, 100], ran.stdout
+    assert steps == [100], ran.stdout

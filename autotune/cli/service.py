@@ -47,15 +47,16 @@ def serve(
     the workloads file or the database, a --host or --port it cannot listen on (not an address of
     this machine, a port in use), or the server extra missing."""
     load_settings()
+    # Before the service's imports (seconds: FastAPI, the store, torch), so a bad flag answers at once.
+    # Another process may take the port between this check and uvicorn's bind; that one race keeps
+    # uvicorn's own words (exit 3 or 1).
+    check_listen(host, port, workers)
     try:
         from api.server import serve as run_server
     except ImportError as exc:
         raise ConfigError(
             f"the service needs autotune's server extra (fastapi, uvicorn, prometheus-client): {exc}"
         ) from None
-    # Another process may take the port between this check and uvicorn's bind; that one race keeps
-    # uvicorn's own words (exit 3 or 1).
-    check_listen(host, port, workers)
     run_server(host=host, port=port, workers=workers)
 
 
