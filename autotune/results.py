@@ -271,8 +271,9 @@ class Prediction(BaseModel):
     probe_batches: list[int]
     probe_trials: int = Field(
         default=0,
-        description="The first `probe_trials` entries of the result's trials recorded the timelines; "
-        "they are real trials and count in the trial count.",
+        description="The first `probe_trials` trials of its loop's search recorded the timelines (in the "
+        "accumulating loop, after its first trial, at the one-micro-step answer); they are real trials and count "
+        "in the trial count.",
     )
     exact: bool | None = Field(default=None, description="Whether the verified answer equals the prediction.")
     first_guess: int | None = Field(
@@ -404,9 +405,7 @@ class GradientCheck(BaseModel):
     factor: float | None = Field(
         default=None, description="The window's gradient norm over the whole batch's: 1.0 when equivalent."
     )
-    difference: float | None = Field(
-        default=None, description="|window gradient - batch gradient| / |batch gradient|."
-    )
+    difference: float | None = Field(default=None, description="|window gradient - batch gradient| / |batch gradient|.")
     tolerance: float = Field(description="The largest difference taken for float rounding, at the job's precision.")
     equivalent: bool | None = Field(description="difference <= tolerance; None when the check could not run.")
     seconds: float = 0.0

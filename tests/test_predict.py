@@ -16,7 +16,7 @@ from autotune.engine.predict import EnvelopeModel, StorageModel, Timeline, predi
 from autotune.engine.probe import ProbeRequest, run_probe
 from autotune.engine.search import search
 from autotune.engine.trial import TrialRunner
-from autotune.results import ProbeResult
+from autotune.results import Prediction, ProbeResult
 from autotune.workloads.targets import resolve
 from tests import predict_workloads
 
@@ -24,33 +24,59 @@ MIB = 2**20
 
 
 def _assert_verified(result: ProbeResult) -> None:
-    """The engine's guarantee, whatever the search: the answer fitted, one more did not."""
-    by_batch = {t.batch: t for t in result.loop_trials()}
-    assert len(by_batch) == len(result.loop_trials()), "a size was tried twice"
-    assert by_batch[result.max_micro_batch].fits
-    assert not by_batch[result.max_micro_batch + result.granularity].fits
+    """The engine's guarantee, whatever the search: the answer fitted, one more did not (in its loop,
+    or with one micro-step, which needs less memory), and no size ran twice in a loop."""
+    for micro_steps in (1, 2):
+        tried = [t.batch for t in result.loop_trials(micro_steps)]
+        assert len(set(tried)) == len(tried), f"a size was tried twice: {tried}"
+    shown = {(t.batch, t.fits) for t in result.evidence()}
+    assert (result.max_micro_batch, True) in shown
+    assert (result.max_micro_batch + result.granularity, False) in shown
+
+
+def _predicted(result: ProbeResult) -> Prediction | None:
+    """The prediction of the one-micro-step loop, which the predictor searches from scratch (the
+    accumulating loop starts at that loop's answer: `_assert_from_the_single_answer`)."""
+    return result.answers[0].prediction
+
+
+def _assert_from_the_single_answer(result: ProbeResult) -> None:
+    """The accumulating loop's first trial is the one-micro-step answer, and none is above it; when
+    that answer fits with accumulation it is the only one, else the predictor searches below it."""
+    single = result.max_micro_batch_without_accumulation
+    tried = [t.batch for t in result.loop_trials(2)]
+    assert tried[0] == single and max(tried) == single, tried
+    if result.max_micro_batch == single:
+        assert tried == [single]
+    else:
+        assert result.prediction is not None, tried
+        if result.prediction.fallback_reason is None:
+            assert len(tried) <= 5, (tried, result.prediction)  # the answer, two timelines, two verifying
 
 
 @pytest.mark.parametrize(("name", "mib"), [("gpt", 128), ("cnn", 64), ("mlp", 64)])
 def test_prediction_is_exact_on_the_budget_device_for_the_examples(name: str, mib: int) -> None:
     result = run_probe(ProbeRequest(target=name, device="cpu", memory=mib * MIB))
     assert result.search == "predict"
-    prediction = result.prediction
+    single = result.answers[0]
+    assert single.loop.micro_steps == 1
+    prediction = single.prediction
     assert prediction is not None
     assert prediction.fallback_reason is None
-    assert prediction.predicted_max_micro_batch == result.max_micro_batch
+    assert prediction.predicted_max_micro_batch == single.max_micro_batch
     assert prediction.exact is True
     _assert_verified(result)
     # Two timeline trials (listed first, counted) and the two verifying trials: nothing else.
     assert prediction.probe_trials == 2
-    assert [t.batch for t in result.loop_trials()] == [4, 2, result.max_micro_batch, result.max_micro_batch + 1]
-    assert prediction.curve, "the predicted curve is reported"
-    # The same holds for the loop without accumulation, searched first.
-    single = result.answers[0]
-    assert single.loop.micro_steps == 1 and single.prediction is not None and single.prediction.exact
     answer = single.max_micro_batch
     assert [t.batch for t in result.loop_trials(1)] == [4, 2, answer, answer + 1]
+    assert prediction.curve, "the predicted curve is reported"
     assert result.max_micro_batch_without_accumulation == answer >= result.max_micro_batch
+    # The accumulating loop, from that answer down: predicted exactly below it when it does not fit.
+    _assert_from_the_single_answer(result)
+    if result.max_micro_batch < answer:
+        assert result.prediction is not None and result.prediction.exact is True
+        assert result.prediction.predicted_max_micro_batch == result.max_micro_batch
 
 
 @pytest.mark.parametrize(("name", "mibs"), [("mlp", (58, 59, 60, 62)), ("cnn", (40, 52, 80))])
@@ -117,7 +143,7 @@ def _probe(target: str, **kwargs: object) -> ProbeResult:
 
 def test_differing_first_pair_predicts_from_the_next_pair() -> None:
     result = _probe("branchy")
-    prediction = result.prediction
+    prediction = _predicted(result)
     assert prediction is not None
     assert prediction.probe_batches == [4, 2, 8] and prediction.probe_trials == 3
     assert prediction.fallback_reason is None
@@ -138,7 +164,7 @@ def test_a_first_trial_with_once_only_work_predicts_from_the_other_two() -> None
 
 def test_op_sequences_that_always_differ_fall_back_to_the_plain_search() -> None:
     result = _probe("loopy")
-    prediction = result.prediction
+    prediction = _predicted(result)
     assert prediction is not None
     assert prediction.predicted_max_micro_batch is None and prediction.exact is None
     assert prediction.fallback_reason is not None and "differ" in prediction.fallback_reason
@@ -152,42 +178,49 @@ def test_op_sequences_that_always_differ_fall_back_to_the_plain_search() -> None
     )
     _assert_verified(result)
     # The timeline trials are reused by the plain search, never repeated.
-    assert [t.batch for t in result.loop_trials()][:4] == [4, 2, 8, 1]
+    assert [t.batch for t in result.loop_trials(1)][:4] == [4, 2, 8, 1]
+    _assert_from_the_single_answer(result)
     assert result.max_micro_batch == _probe("loopy", search="plain").max_micro_batch
 
 
 def test_a_probe_that_does_not_fit_falls_back() -> None:
     tiny = run_probe(ProbeRequest(target="gpt", device="cpu", memory=80 * MIB, headroom=0))
-    assert tiny.prediction is not None and tiny.prediction.fallback_reason is not None
-    assert "did not fit" in tiny.prediction.fallback_reason
+    prediction = _predicted(tiny)
+    assert prediction is not None and prediction.fallback_reason is not None
+    assert "did not fit" in prediction.fallback_reason
     _assert_verified(tiny)
 
 
 def test_a_cap_below_the_probes_is_never_exceeded() -> None:
     result = _probe("plain", max_batch=3)
-    assert result.prediction is not None and "cap" in (result.prediction.fallback_reason or "")
-    assert max(t.batch for t in result.loop_trials()) == 3 and result.capped
+    prediction = _predicted(result)
+    assert prediction is not None and "cap" in (prediction.fallback_reason or "")
+    assert max(t.batch for t in result.trials) == 3 and result.capped
 
 
 def test_a_cap_below_the_prediction_is_tried_and_reported() -> None:
     result = _probe("plain", max_batch=20)
     assert result.capped and result.max_micro_batch == 20
-    assert result.prediction is not None and result.prediction.predicted_max_micro_batch == 20
-    assert [t.batch for t in result.loop_trials()] == [4, 2, 20]
+    prediction = _predicted(result)
+    assert prediction is not None and prediction.predicted_max_micro_batch == 20
+    assert [t.batch for t in result.loop_trials(1)] == [4, 2, 20]
+    assert [t.batch for t in result.loop_trials(2)] == [20]  # the cap, where the accumulating loop starts
 
 
 def test_granularity_probes_and_answers_on_multiples() -> None:
     result = _probe("plain", granularity=8)
-    assert all(t.batch % 8 == 0 for t in result.loop_trials())
-    assert result.prediction is not None and result.prediction.probe_batches == [16, 8]
+    assert all(t.batch % 8 == 0 for t in result.trials)
+    prediction = _predicted(result)
+    assert prediction is not None and prediction.probe_batches == [16, 8]
     _assert_verified(result)
     assert result.max_micro_batch == _probe("plain", granularity=8, search="plain").max_micro_batch
 
 
 def test_plain_search_is_kept_on_request() -> None:
     result = _probe("plain", search="plain")
-    assert result.search == "plain" and result.prediction is None
-    assert [t.batch for t in result.loop_trials()][:3] == [1, 2, 4]
+    assert result.search == "plain" and all(a.prediction is None for a in result.answers)
+    assert [t.batch for t in result.loop_trials(1)][:3] == [1, 2, 4]
+    assert result.loop_trials(2)[0].batch == result.max_micro_batch_without_accumulation
 
 
 # The envelope as pure arithmetic --------------------------------------------------------------
@@ -256,7 +289,8 @@ def test_a_caching_allocator_is_handled_by_one_refining_trial() -> None:
 
 def test_the_budget_device_needs_no_refining_trial() -> None:
     result = _probe("plain")
-    assert result.prediction is not None and result.prediction.first_guess is None
+    prediction = _predicted(result)
+    assert prediction is not None and prediction.first_guess is None
 
 
 # Memory that does not show, or does not grow (issue 12) -----------------------------------------
@@ -265,10 +299,12 @@ def test_tiny_per_sample_tensors_are_predicted_from_their_raw_sizes() -> None:
     but the storages' raw sizes grow: the storage model predicts exactly (26 trials a loop before,
     from the plain search's doubling)."""
     result = run_probe(ProbeRequest(target="tests.workloads:tiny", device="cpu", memory=MIB, headroom=0))
-    prediction = result.prediction
+    prediction = _predicted(result)
     assert prediction is not None and prediction.fallback_reason is None and prediction.exact is True
-    assert [t.batch for t in result.loop_trials()] == [4, 2, result.max_micro_batch, result.max_micro_batch + 1]
+    answer = result.max_micro_batch_without_accumulation
+    assert [t.batch for t in result.loop_trials(1)] == [4, 2, answer, answer + 1]
     _assert_verified(result)
+    _assert_from_the_single_answer(result)
 
 
 def test_a_flat_curve_is_an_error_after_the_two_timeline_trials() -> None:
@@ -321,11 +357,15 @@ def test_a_flat_timeline_without_raw_sizes_falls_back_and_the_plain_search_stops
 
 def test_with_the_allocator_model_the_replayed_trace_predicts_the_reserved_answer_exactly() -> None:
     """On the budget device with the CUDA allocator's model, the limit bites on reserved memory: the
-    two timeline trials' allocations, replayed through the model at each size, predict the answer of
-    both loops exactly (two more trials verify each), as counting live bytes does without it."""
+    two timeline trials' allocations, replayed through the model at each size, predict the answer
+    exactly (two more trials verify it), as counting live bytes does without it; the accumulating loop
+    starts at that answer and is predicted exactly below it."""
     request = ProbeRequest(target="gpt", device="cpu", memory=128 * MIB, headroom=0, allocator="cuda")
     result = run_probe(request)
     assert any(t.peak_reserved_bytes > t.peak_allocated_bytes for t in result.trials if t.peak_reserved_bytes)
-    for answer in result.answers:
-        assert answer.prediction is not None and answer.prediction.exact, answer
-        assert len([t for t in result.trials if t.micro_steps == answer.loop.micro_steps]) == 4
+    single, accumulating = result.answers
+    assert single.prediction is not None and single.prediction.exact, single
+    assert len(result.loop_trials(1)) == 4
+    _assert_from_the_single_answer(result)
+    assert accumulating.prediction is None or accumulating.prediction.exact, accumulating
+    assert len(result.loop_trials(2)) <= 4

@@ -30,9 +30,10 @@ def _mlp() -> Workload:
     )
 
 
-def test_an_accumulating_answer_above_the_one_micro_step_answer_is_searched_again() -> None:
+def test_the_accumulating_loop_is_searched_from_the_one_micro_step_answer_down() -> None:
     """A loop whose accumulating trials need less memory than its single ones (as the allocator's
-    placement luck made them on an H100) answers no more with accumulation than without."""
+    placement luck made them on an H100: 5415 > 5413) answers no more with accumulation than without:
+    no accumulating trial runs above the one-micro-step answer, which is tried first."""
 
     def lucky(runner: TrialRunner) -> TrainLoop:
         default = runner._train  # the runner's own loop, at a smaller batch when it accumulates
@@ -46,12 +47,24 @@ def test_an_accumulating_answer_above_the_one_micro_step_answer_is_searched_agai
     result = run_probe(request, workload=_mlp(), train=lucky)
     single = result.max_micro_batch_without_accumulation
     assert single is not None
-    assert result.max_micro_batch == single, (result.max_micro_batch, single)
-    [note] = result.notes
-    assert f"above the one-micro-step answer {single}" in note and f"it answers {single}" in note
-    # The answer was tried again in the accumulating loop, and a size above it failed (in either loop).
-    assert any(t.batch == single and t.micro_steps > 1 and t.fits for t in result.trials)
+    assert result.max_micro_batch == single and not result.capped, (result.max_micro_batch, single)
+    # One accumulating trial, at the answer; the size above it failed with one micro-step.
+    assert [(t.batch, t.fits) for t in result.trials if t.micro_steps > 1] == [(single, True)]
     assert any(t.batch == single + 1 and not t.fits for t in result.evidence())
+
+
+def test_below_the_one_micro_step_answer_the_walk_goes_down() -> None:
+    """A loop whose accumulation costs more: the one-micro-step answer fails with accumulation, and
+    the plain search walks down from it (never above it), to an answer whose next size failed."""
+    request = ProbeRequest(target="live:mlp", device="cpu", memory=4 * MIB, headroom=0, search="plain")
+    result = run_probe(request, workload=_mlp())
+    single, answer = result.max_micro_batch_without_accumulation, result.max_micro_batch
+    assert single is not None and answer is not None and answer < single
+    accumulating = [t for t in result.trials if t.micro_steps > 1]
+    assert accumulating[0].batch == single and not accumulating[0].fits
+    assert max(t.batch for t in accumulating) == single
+    assert any(t.batch == answer + 1 and not t.fits for t in accumulating)
+    assert not result.capped
 
 
 def test_a_consistent_probe_searches_nothing_again() -> None:

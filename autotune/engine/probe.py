@@ -10,6 +10,9 @@ own loop through `train=`) in this process, with the request's fields as keyword
 cannot re-create live objects, so its confirmation is marked skipped and says why. A framework loop
 may hold more per accumulation window than two micro-steps show (the Trainer fetches a window's
 micro-batches before the first forward), so its plan is settled in the plan's own loop.
+
+The one-micro-step loop is searched first, then the accumulating loop from its answer down
+(`_search_below`): accumulating never needs less memory, so no size above that answer is tried.
 """
 
 from __future__ import annotations
@@ -247,7 +250,10 @@ def _run_probe(
     for loop in (single, accumulating):
         before = len(ran)
         try:
-            outcome, prediction = _search(trial_in(loop), device, request)
+            if loop.accumulates:
+                outcome, prediction = _search_below(trial_in(loop), device, request, answers[0])
+            else:
+                outcome, prediction = _search(trial_in(loop), device, request)
         except NothingFitsError as exc:
             if not loop.accumulates:
                 raise
@@ -261,13 +267,6 @@ def _run_probe(
         answers.append(
             LoopAnswer(loop=loop, max_micro_batch=outcome.max_micro_batch, capped=outcome.capped, prediction=prediction)
         )
-    notes: list[str] = []
-    consistent = _consistent(answers, trial_in(accumulating), request, device.limit_bytes)
-    if consistent is not None:
-        answer, redo, note = consistent
-        answers[-1] = answer
-        trials += redo
-        notes.append(note)
     safe = answers[-1]
     throughput = None
     if request.objective == "throughput" and safe.max_micro_batch is not None:
@@ -314,7 +313,6 @@ def _run_probe(
         trials=trials,
         batch_norm=any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in runner.model.modules()),
         allocator_config=device.allocator_config,
-        notes=notes,
         versions=versions(),
         duration_seconds=time.perf_counter() - started,
     )
@@ -322,36 +320,6 @@ def _run_probe(
     if train is not None and holds_window:
         result = settle_plan(result, request, trial_in)
     return result.model_copy(update={"duration_seconds": time.perf_counter() - started})
-
-
-def _consistent(
-    answers: list[LoopAnswer], trial: Callable[[int], TrialRecord], request: ProbeRequest, limit_bytes: int
-) -> tuple[LoopAnswer, list[TrialRecord], str] | None:
-    """Accumulating never needs less memory than one micro-step (the gradients are alive in
-    forward), so an accumulating answer above the one-micro-step answer is the caching allocator's
-    block placement in a few steps, not a property of the job (seen on an H100: 5415 > 5413, 30 >
-    29, 138 > 137, and 5415 then ran out of memory at step 3). Such an answer is searched again at or
-    below the one-micro-step answer; returns (the new answer, its trials, why), or None."""
-    single, accumulating = answers
-    cap = single.max_micro_batch
-    if accumulating.max_micro_batch is None or cap is None or accumulating.max_micro_batch <= cap or single.capped:
-        return None
-    try:
-        redo = search_from_guess(trial, cap, cap=cap, granularity=request.granularity, limit_bytes=limit_bytes)
-    except NothingFitsError as exc:
-        answer = accumulating.model_copy(update={"max_micro_batch": None, "capped": False, "reason": str(exc)})
-        note = (
-            f"the accumulating loop first answered {accumulating.max_micro_batch}, above the one-micro-step answer "
-            f"{cap}; searched again at or below {cap}, no size fits with accumulation"
-        )
-        return answer, [], note
-    answer = accumulating.model_copy(update={"max_micro_batch": redo.max_micro_batch, "capped": False})
-    note = (
-        f"the accumulating loop first answered {accumulating.max_micro_batch}, above the one-micro-step answer {cap}, "
-        "although accumulating needs more memory (the allocator's block placement in those trials, not the job): "
-        f"searched again at or below {cap}, it answers {redo.max_micro_batch}"
-    )
-    return answer, redo.trials, note
 
 
 def settle_plan(
@@ -454,23 +422,60 @@ def probe_workload(
 
 
 def _search(
-    trial: Callable[[int], TrialRecord], device: ProbeDevice, request: ProbeRequest
+    trial: Callable[[int], TrialRecord], device: ProbeDevice, request: ProbeRequest, cap: int | None = None
 ) -> tuple[SearchOutcome, Prediction | None]:
+    cap = request.max_batch if cap is None else cap
     if request.search == "predict":
         predicted = predicted_search(
             trial,
             device,
-            start=request.start_batch,
-            cap=request.max_batch,
+            start=min(request.start_batch, cap) if cap is not None else request.start_batch,
+            cap=cap,
             granularity=request.granularity,
             limit_bytes=device.limit_bytes,
         )
         return predicted.outcome, predicted.prediction
     outcome = search(
         trial,
-        start=request.start_batch,
-        cap=request.max_batch,
+        start=min(request.start_batch, cap) if cap is not None else request.start_batch,
+        cap=cap,
         granularity=request.granularity,
         limit_bytes=device.limit_bytes,
     )
     return outcome, None
+
+
+def _search_below(
+    trial: Callable[[int], TrialRecord], device: ProbeDevice, request: ProbeRequest, single: LoopAnswer
+) -> tuple[SearchOutcome, Prediction | None]:
+    """The accumulating loop, from the one-micro-step answer down. Accumulating never needs less
+    memory than one micro-step (the gradients are alive in forward), so a size above that answer
+    already failed with less memory, and is never tried; the answer itself is tried first (most
+    jobs' peak is in backward, where the gradients are alive in both loops: one trial). Below it, the
+    request's search (the predictor's, or the plain walk down from the answer) with the answer as
+    its cap. An accumulating answer above the one-micro-step answer was the allocator's placement
+    luck in a few steps (5415 > 5413 on an H100, and 5415 then ran out of memory at step 3): this
+    search cannot give one."""
+    ceiling = single.max_micro_batch
+    assert ceiling is not None  # the one-micro-step search raised otherwise
+    first = trial(ceiling)
+    if first.fits:
+        return SearchOutcome(ceiling, single.capped, [first]), None
+    below = ceiling - request.granularity
+    if below < request.granularity:
+        raise NothingFitsError(
+            f"even batch {ceiling} does not fit within a limit of {format_bytes(device.limit_bytes)} (it needed at "
+            f"least {format_bytes(first.peak_allocated_bytes or 0)}): give the probe more memory (--memory, less "
+            "--headroom), a lower precision or a smaller model",
+            peak_bytes=first.peak_allocated_bytes,
+            limit_bytes=device.limit_bytes,
+        )
+    if request.search == "predict":
+        outcome, prediction = _search(trial, device, request, cap=below)
+    else:
+        outcome, prediction = (
+            search_from_guess(trial, below, cap=below, granularity=request.granularity, limit_bytes=device.limit_bytes),
+            None,
+        )
+    # Its cap fitting is no cap of the job's: the size above it (the ceiling) failed in this loop.
+    return SearchOutcome(outcome.max_micro_batch, False, [first, *outcome.trials]), prediction
