@@ -163,6 +163,11 @@ def test_no_effective_batch_keeps_the_jobs_64_x_16() -> None:
     # Accelerate's loop holds one micro-batch at a time: no trial beyond two micro-steps.
     assert max(t.micro_steps for t in result.trials) == 2
     assert tuning.gradient_check.equivalent  # a mean loss, divided by the steps: the window is the batch
+    # The job's DataLoader cannot change its batch size: the plan says to build it again.
+    micro, steps = result.plan.micro_batch, result.plan.accumulation_steps
+    assert f"the DataLoader given makes batches of 64: build it again with batch_size={micro}" in " ".join(
+        result.plan.warnings
+    ) and f"64 x {steps} = {64 * steps} samples a step" in " ".join(result.plan.warnings)
 
 
 def test_a_dataset_without_effective_batch_is_refused_with_the_fix() -> None:

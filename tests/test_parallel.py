@@ -63,7 +63,8 @@ def _exact(result: ProbeResult) -> None:
     answer = result.max_micro_batch
     tried = {(t.batch, t.micro_steps): t.fits for t in result.evidence()}
     assert tried[(answer, result.loop.micro_steps)] is True
-    assert tried[(answer + 1, result.loop.micro_steps)] is False
+    # One more failed in its loop, or with one micro-step (less memory: not tried again with more).
+    assert False in (tried.get((answer + 1, result.loop.micro_steps)), tried.get((answer + 1, 1)))
 
 
 def test_each_setup_answers_exactly_for_its_loop_and_is_keyed_apart(results: dict[str, ProbeResult]) -> None:

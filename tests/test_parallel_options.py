@@ -126,7 +126,8 @@ def test_the_jobs_own_sharding_is_probed_and_named(probed: dict[str, ProbeResult
     assert theirs.max_micro_batch < ours.max_micro_batch
     tried = {(t.batch, t.micro_steps): t.fits for t in theirs.evidence()}
     assert tried[(theirs.max_micro_batch, theirs.loop.micro_steps)] is True
-    assert tried[(theirs.max_micro_batch + 1, theirs.loop.micro_steps)] is False
+    above = theirs.max_micro_batch + 1  # failed in its loop, or with one micro-step (less memory)
+    assert False in (tried.get((above, theirs.loop.micro_steps)), tried.get((above, 1)))
 
 
 def test_the_readmes_sharding_function_keeps_gathered_blocks_for_backward(probed: dict[str, ProbeResult]) -> None:

@@ -262,7 +262,15 @@ def tune_accelerator(
             result=result,
             started=started,
         )
-        result = with_tuning(result, tuning, gradients.warning(check, _GRADIENT_FIX))
+        stale = None
+        if given is not None and given != micro and policy is Policy.EXACT:
+            # A DataLoader cannot change its batch size: the job must build its own again.
+            stale = (
+                f"the DataLoader given makes batches of {given}: build it again with batch_size={micro}, the plan's "
+                f"micro-batch, or the loop runs {given} x {accumulation} = {given * accumulation} samples a step per "
+                f"process instead of {micro * accumulation}"
+            )
+        result = with_tuning(result, tuning, gradients.warning(check, _GRADIENT_FIX), stale)
         then = (
             f"set gradient_accumulation_steps={accumulation}; build the DataLoader with batch_size={micro}"
             if policy is Policy.EXACT

@@ -223,11 +223,12 @@ def tuning_record(
     )
 
 
-def with_tuning(result: ProbeResult, tuning: FrameworkTuning, warning: str | None) -> ProbeResult:
-    """The result with what the integration did, and the gradient check's warning among the plan's."""
+def with_tuning(result: ProbeResult, tuning: FrameworkTuning, *warnings: str | None) -> ProbeResult:
+    """The result with what the integration did, and its warnings (the gradient check's) among the plan's."""
     made = result.plan
-    if warning is not None and made is not None:
-        made = made.model_copy(update={"warnings": [*made.warnings, warning]})
+    added = [w for w in warnings if w is not None]
+    if added and made is not None:
+        made = made.model_copy(update={"warnings": [*made.warnings, *added]})
     return result.model_copy(update={"framework": tuning, "plan": made})
 
 
