@@ -1,4 +1,4 @@
-"""Gradient accumulation in a plain PyTorch loop with autotune's helper (the README shows this file, and docs/accumulation.md).
+"""Gradient accumulation in a plain PyTorch loop with autotune's helper (the README shows this file).
 
 tests/test_accumulate.py runs it and checks that the loss falls.
 """
