@@ -4,9 +4,16 @@
     NoDeviceError                                 404  code "no_such_device": a refusal, not an outage
     ConfigError (PlanError, WorkloadError...)     422  code "invalid" (a rule the schema cannot state)
     RequestValidationError                        422  with the validation details (a list)
+    ModelMismatchError                            409  code "model_mismatch": a result of another model
     QueueFullError                                429  code "queue_full", Retry-After header
     other DeviceError                             503  code "device_unavailable"
     StoreError                                    503  code "store_unavailable": an outage, retry
+    ServiceStartingError                          503  code "starting": migrations, stored results
+    ServiceDrainingError                          503  code "draining": shutting down
+
+Every 503 carries `Retry-After`: the service is up and says when to ask again, which is how a
+client tells it from a service that is down (a refused connection, a timeout), the only case where
+a client may probe on its own instead (`autotune.client`).
     any other AutotuneError                       409  code "conflict"
 
 Every answer of ours is `{"detail": ..., "code": ...}` (`api.schemas.ErrorView`), so a program
@@ -45,6 +52,8 @@ from autotune.workloads.registry import UnknownWorkloadError
 
 log = logging.getLogger(__name__)
 _MAX_TEXT = 200
+RETRY_UNAVAILABLE = 2  # seconds: a store or device outage, a server shutting down
+RETRY_STARTING = 1  # seconds: start-up takes a few
 
 
 class NotFoundError(AutotuneError):
@@ -53,6 +62,19 @@ class NotFoundError(AutotuneError):
 
 class ProbeNotFinishedError(AutotuneError):
     """What was asked for exists once the probe has succeeded (HTTP 409 until then)."""
+
+
+class ServiceStartingError(AutotuneError):
+    """The server answers, but has not yet opened its store (migrations, stored results) (HTTP 503)."""
+
+
+class ServiceDrainingError(AutotuneError):
+    """The server is shutting down: its successor, or another worker, answers (HTTP 503)."""
+
+
+class ModelMismatchError(AutotuneError):
+    """A published result was not probed from the model registered under its target (HTTP 409):
+    its claim conflicts with what the server builds now (a model edited since it was probed)."""
 
 
 def _printable(value: Any, depth: int = 0) -> Any:
@@ -115,8 +137,14 @@ def _status(exc: AutotuneError) -> tuple[int, str]:
         return status.HTTP_503_SERVICE_UNAVAILABLE, "device_unavailable"
     if isinstance(exc, StoreError):
         return status.HTTP_503_SERVICE_UNAVAILABLE, "store_unavailable"
+    if isinstance(exc, ServiceStartingError):
+        return status.HTTP_503_SERVICE_UNAVAILABLE, "starting"
+    if isinstance(exc, ServiceDrainingError):
+        return status.HTTP_503_SERVICE_UNAVAILABLE, "draining"
     if isinstance(exc, ProbeNotFinishedError):
         return status.HTTP_409_CONFLICT, "not_finished"
+    if isinstance(exc, ModelMismatchError):
+        return status.HTTP_409_CONFLICT, "model_mismatch"
     return status.HTTP_409_CONFLICT, "conflict"
 
 
@@ -129,6 +157,10 @@ async def _autotune_error(request: Request, exc: Exception) -> JSONResponse:
     body: dict[str, Any] = {"detail": str(exc), "code": name}
     if isinstance(exc, QueueFullError):
         seconds = max(1, int(exc.retry_after))
+        headers = {"Retry-After": str(seconds)}
+        body["retry_after"] = seconds
+    elif code == status.HTTP_503_SERVICE_UNAVAILABLE:
+        seconds = RETRY_STARTING if isinstance(exc, ServiceStartingError) else RETRY_UNAVAILABLE
         headers = {"Retry-After": str(seconds)}
         body["retry_after"] = seconds
     return JSONResponse(body, status_code=code, headers=headers)

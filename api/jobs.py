@@ -13,7 +13,9 @@ for any worker of the node, this process's successor included.
 
 What is true is kept in memory when the database cannot be written (a full disk): the running
 job's trials, and its outcome until a later write succeeds, so answers stay true; the result also
-goes straight to the result cache, so plan queries use it at once.
+goes straight to the result cache, so plan queries use it at once. The node's other workers learn
+the outcome from the job's spool file (`api.spool`), written before this worker answers with it;
+where there is none to go by, they answer 503 rather than the store's `running` (`elsewhere`).
 
 Waiters (`wait`) are woken by this process's worker directly, or by a watcher that polls the
 statuses of the jobs being waited for (a job another process runs).
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 
 from api.cache import ResultCache
 from api.metrics import Metrics, outcome_label
+from api.spool import Entry, JobSpool
 from autotune.engine.probe import ProbeRequest
 from autotune.errors import AutotuneError
 from autotune.results import ProbeResult, TrialRecord
@@ -46,6 +49,7 @@ from autotune.store import (
     now,
     worker_id,
 )
+from autotune.store.store import owner_here
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +75,7 @@ class _Running:
     result: ProbeResult | None = None
     unsaved: bool = False
     trials: list[TrialRecord] = field(default_factory=list)
+    spool: Entry | None = None  # where the node's other workers read its outcome until the store has it
 
 
 def _default_runner(request: ProbeRequest, timeout: float, on_trial: Callable[[TrialRecord], None]) -> ProbeResult:
@@ -92,8 +97,10 @@ class ProbeManager:
         lease_seconds: float,
         max_queue: int,
         runner: Runner | None = None,
+        spool: JobSpool | None = None,
     ) -> None:
         self._store = store
+        self._spool = spool if spool is not None else JobSpool()
         self._cache = cache
         self._metrics = metrics
         self.node = node
@@ -111,6 +118,7 @@ class ProbeManager:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiters: dict[str, asyncio.Event] = {}
         self._watcher: asyncio.Task[None] | None = None
+        self._draining = False
 
     def start(self) -> list[str]:
         """Fail this node's jobs whose worker is gone (and its queued jobs for devices it no longer
@@ -123,6 +131,7 @@ class ProbeManager:
             interrupted = []
         if interrupted:
             self._metrics.probes.labels(outcome_label(INTERRUPTED)).inc(len(interrupted))
+        self._forget_spooled()
         for device in self._devices:
             thread = threading.Thread(target=self._work, args=(device,), name=f"autotune-probes-{device}", daemon=True)
             self._threads.append(thread)
@@ -167,9 +176,41 @@ class ProbeManager:
             found = self._mine.get(job_id)
             return None if found is None else (self._snapshot(found), found.result)
 
+    def elsewhere(
+        self, record: JobRecord, reread: Callable[[], JobRecord | None]
+    ) -> tuple[JobRecord, ProbeResult | None] | None:
+        """The truth about a job the store says is running on another worker of this node, where
+        it differs from the store's: its outcome from the spool once it has finished there. None
+        when the store's record is the truth (not running, not this node's, running here or on a
+        live worker whose spool says so). Raises StoreError (503) when nothing tells: it ended, or
+        its worker is gone, and the store does not say how yet (it cannot be written)."""
+        if record.status != "running" or record.node != self.node or record.owner == self.owner:
+            return None
+        here = owner_here(record.owner)
+        if here is None:
+            return None  # a worker of another host: the store is what this node knows
+        spooled = None
+        for _ in range(4):  # a job claimed this moment has its spool file a moment later
+            spooled = self._spool.read(record.id)
+            if spooled is not None or not here:
+                break
+            time.sleep(0.02)
+        if spooled is not None and spooled.state == "running" and here:
+            return None
+        if spooled is not None and spooled.state == "finished" and spooled.record is not None:
+            return spooled.record, spooled.result
+        again = reread()  # its worker may have recorded it (and removed its spool file) since
+        if again is not None and again.status != "running":
+            return again, None
+        who = "another worker of this node" if here else "a worker of this node that has stopped"
+        raise StoreError(
+            f"probe {record.id} ran on {who}, and the store cannot say yet how it ended (it cannot be written "
+            "now): ask again in a moment"
+        )
+
     async def wait(self, job_id: str, timeout: float) -> None:
         """Return when the job has finished, or after `timeout` seconds, whichever is first."""
-        if timeout <= 0:
+        if timeout <= 0 or self._draining:
             return
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
@@ -185,12 +226,21 @@ class ProbeManager:
         while self._waiters:
             ids = list(self._waiters)
             try:
-                statuses = await asyncio.to_thread(self._store.job_statuses, ids)
+                statuses: dict[str, str] | None = await asyncio.to_thread(self._store.job_statuses, ids)
             except StoreError:
-                statuses = {}
+                statuses = None  # unknown, not finished: the waiters go on waiting (their own timeout ends it)
             for job_id in ids:
                 mine = self.mine(job_id)
-                status = mine[0].status if mine is not None else statuses.get(job_id, "failed")
+                status: str
+                if mine is not None:
+                    status = mine[0].status
+                elif statuses is None:
+                    continue
+                else:
+                    status = statuses.get(job_id, "failed")
+                    if status == "running":  # finished on another worker, not recorded yet?
+                        spooled = await asyncio.to_thread(self._spool.read, job_id)
+                        status = "finished" if spooled is not None and spooled.state != "running" else status
                 if status not in ("queued", "running"):
                     event = self._waiters.pop(job_id, None)
                     if event is not None:
@@ -199,6 +249,22 @@ class ProbeManager:
                 if event.is_set():  # woken by this process's worker
                     self._waiters.pop(job_id, None)
             await asyncio.sleep(WATCH_SECONDS)
+
+    def drain(self) -> None:
+        """The server is shutting down: every waiter returns now (the request answers 503
+        "draining"), and later waits return at once. Safe to call from a signal handler."""
+        self._draining = True
+        loop = self._loop
+        if loop is None:
+            return
+
+        def wake_all() -> None:
+            for event in self._waiters.values():
+                event.set()
+            self._waiters.clear()
+
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting any more
+            loop.call_soon_threadsafe(wake_all)
 
     def depth(self, device: str) -> int:
         """Queued and running jobs of this node's `device`, from the store."""
@@ -221,6 +287,7 @@ class ProbeManager:
         self._record_unsaved()  # outcomes clients were told, not yet in the store: a last try
         with self._lock:
             running = [m for m in self._mine.values() if m.record.status == "running"]
+            spooled = [m.spool for m in self._mine.values() if m.spool is not None]
         for mine in running:
             error = JobError(type=INTERRUPTED, message="interrupted: the server shut down; ask for the probe again")
             try:
@@ -228,6 +295,8 @@ class ProbeManager:
             except StoreError as exc:
                 log.warning("could not mark job %s interrupted: %s", mine.record.id, exc)
             self._metrics.probes.labels(outcome_label(INTERRUPTED)).inc()
+        for entry in spooled:  # what this process knew goes with it: the others answer 503, not `running`
+            entry.remove()
         # Idle workers stop within a poll; one running a probe cannot be interrupted (it waits on
         # the probe child, which ends with this process), so the wait is short.
         for thread in self._threads:
@@ -256,7 +325,7 @@ class ProbeManager:
                 log.exception("probe job %s: unexpected failure in the worker", job.id)
 
     def _run(self, record: JobRecord) -> None:
-        mine = _Running(record=record, trials=list(record.trials))
+        mine = _Running(record=record, trials=list(record.trials), spool=self._spool.start(record.id))
         with self._lock:
             self._mine[record.id] = mine
         self._metrics.probes_started.labels(record.device).inc()
@@ -285,15 +354,22 @@ class ProbeManager:
         if self._closing.is_set():
             return  # close() has marked it interrupted
         with self._lock:
-            mine.record.finished_at = now()
             if error is None:
                 assert result is not None
-                mine.record.status = "succeeded"
-                mine.record.fingerprint = result.fingerprint
-                mine.result = result
+                update: dict[str, object] = {"status": "succeeded", "fingerprint": result.fingerprint}
             else:
-                mine.record.status = "failed"
-                mine.record.error = error
+                update = {"status": "failed", "error": error}
+            outcome = self._snapshot(mine).model_copy(update={**update, "finished_at": now()})
+        # The node's other workers can read it before this one answers with it: no worker says
+        # `running` once any has said how it ended.
+        if mine.spool is not None and not mine.spool.finish(outcome, result):
+            log.warning("probe job %s: its outcome is too large for its spool file", record.id)
+        with self._lock:
+            mine.record.finished_at = outcome.finished_at
+            mine.record.status = outcome.status
+            mine.record.fingerprint = outcome.fingerprint
+            mine.record.error = outcome.error
+            mine.result = result
             mine.unsaved = True
         if result is not None:
             # Plan queries use it at once, whether or not the store can take it now.
@@ -328,6 +404,8 @@ class ProbeManager:
             return False
         with self._lock:
             self._mine.pop(record.id, None)
+        if mine.spool is not None:  # after the store has it: a reader finds one or the other
+            mine.spool.remove()
         return True
 
     def _record_unsaved(self) -> None:
@@ -336,6 +414,23 @@ class ProbeManager:
         for mine in pending:
             if not self._record(mine):
                 return
+
+    def _forget_spooled(self) -> None:
+        """Spool files left by workers that stopped before the store recorded their job's end."""
+        directory = self._spool.directory
+        if directory is None:
+            return
+        try:
+            names = [path.name.removesuffix(".spool") for path in directory.glob("*.spool")]
+            statuses = self._store.job_statuses(names) if names else {}
+        except (OSError, StoreError) as exc:
+            log.warning("could not look for old spool files: %s", exc)
+            return
+        for job_id in names:
+            # Only jobs this store knows have ended: a spool directory may serve several stores.
+            if statuses.get(job_id) in ("succeeded", "failed"):
+                with contextlib.suppress(OSError):
+                    (directory / f"{job_id}.spool").unlink()
 
     def _on_trial(self, mine: _Running, trial: TrialRecord) -> None:
         with self._lock:

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request, Response, status
 
 from api.metrics import CONTENT_TYPE
 from api.schemas import Health, Readiness
-from api.service import Service
+from api.service import Service, Starting
 
 router = APIRouter(tags=["operations"])
 
@@ -26,8 +26,14 @@ async def healthz() -> Health:
 )
 async def readyz(request: Request) -> Response:
     svc: Service | None = getattr(request.app.state, "service", None)
-    if svc is None:
-        view = Readiness(status="not ready", store=False, devices=[], results=0, problems=["starting up"])
+    draining = getattr(request.app.state, "draining", None)
+    if svc is None or (draining is not None and draining.is_set()):
+        starting = getattr(request.app.state, "starting", None)
+        if draining is not None and draining.is_set():
+            why = "shutting down"
+        else:
+            why = f"starting: {starting.describe() if isinstance(starting, Starting) else 'starting up'}"
+        view = Readiness(status="not ready", store=False, devices=[], results=0, problems=[why])
         return Response(view.model_dump_json(), status.HTTP_503_SERVICE_UNAVAILABLE, media_type="application/json")
     # A write, not only a read: a full disk answers reads and refuses every job and result.
     failure = await asyncio.to_thread(svc.check_writable)

@@ -19,13 +19,13 @@ import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from autotune.errors import ConfigError
 from autotune.plans.mixed import MixedPlan, Mode
 from autotune.plans.plan import Plan, Policy
 from autotune.request import parallel_spec
-from autotune.results import ParallelSpec, ProbeResult, TrialRecord
+from autotune.results import SCHEMA_VERSION, ParallelSpec, ProbeResult, TrialRecord
 from autotune.store import JobError, JobStatus
 from autotune.units import parse_headroom, parse_size
 from autotune.workloads.registry import NAME_PATTERN
@@ -56,6 +56,7 @@ SIZE_PATTERN = rf"^({_NUMBER} ?{_UNIT}?|{_BELOW_ONE})$"
 HEADROOM_PATTERN = rf"^(0(\.[0-9]{{1,6}})?|([0-9]|[1-9][0-9])(\.[0-9]{{1,6}})?%|{_SIZE_WITH_UNIT})$"
 _SIZE_TEXT = re.compile(SIZE_PATTERN.replace("$", r"\Z"))
 _HEADROOM_TEXT = re.compile(HEADROOM_PATTERN.replace("$", r"\Z"))
+_BARE_NUMBER = re.compile(r"[0-9]{1,20}(\.[0-9]{1,6})?\Z")
 
 _SIZE_HELP = "a byte count (1 to 2^53) or a string such as 512MiB, 24GiB or 80GB"
 _HEADROOM_HELP = "a fraction in [0, 1) (0.05), a percentage below 100 ('5%') or a size with its unit ('2GiB')"
@@ -65,10 +66,11 @@ SIZE_SCHEMA: dict[str, Any] = {
         {"type": "string", "pattern": SIZE_PATTERN},
     ]
 }
+# A bare number is a fraction, as on the command line: "headroom": 5 meant as 5% would otherwise
+# be 5 bytes of headroom, so a size needs its unit (a string) here too.
 HEADROOM_SCHEMA: dict[str, Any] = {
     "anyOf": [
         {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
-        {"type": "integer", "minimum": 0, "maximum": MAX_SIZE},
         {"type": "string", "pattern": HEADROOM_PATTERN},
     ]
 }
@@ -110,20 +112,24 @@ def headroom_value(value: object) -> float | int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ValueError(f"headroom is {_HEADROOM_HELP}")
-    if isinstance(value, float):
+    if isinstance(value, int | float):
         if not math.isfinite(value):
             raise ValueError("headroom must be finite")
-        if value >= 1 and value.is_integer():
-            value = int(value)  # JSON Schema counts 5.0 as the integer 5: bytes
-        elif not 0 <= value < 1:
-            raise ValueError(f"headroom is {_HEADROOM_HELP}: a number from 1 up is a byte count, so a whole number")
-        else:
-            return value
-    if isinstance(value, int):
-        if not 0 <= value <= MAX_SIZE:
-            raise ValueError(f"headroom in bytes is from 0 to 2^53, not {value}")
+        shown = str(value) if isinstance(value, int) else f"{value:g}"
+        if value >= 1:
+            try:  # the command line's words: "did you mean 5%?"
+                parse_headroom(shown)
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
+        if not 0 <= value < 1:
+            raise ValueError(f"headroom is {_HEADROOM_HELP}, not {shown}")
         return value
     if not _HEADROOM_TEXT.match(value):
+        if _BARE_NUMBER.match(value):  # "5" in a query string: the command line's "did you mean 5%?"
+            try:
+                parse_headroom(value)
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
         raise ValueError(f"headroom is {_HEADROOM_HELP}: {value[:40]!r} is not")
     try:
         return parse_headroom(value)
@@ -145,8 +151,29 @@ class _MemoryFields(BaseModel):
         return headroom_value(value)
 
 
+# Rules across fields, stated in the schema so that a client (or a schema-driven tester) can tell a
+# valid request from the document alone: FSDP shards over two ranks or more. JSON Schema states it
+# as "parallel is not fsdp, or world_size is given and at least 2" (world_size's default is 1).
+FSDP_RULE: dict[str, Any] = {
+    "anyOf": [
+        {"properties": {"parallel": {"enum": ["none", "ddp"]}}},
+        {"required": ["world_size"], "properties": {"world_size": {"minimum": 2}}},
+    ]
+}
+# A mixed plan's world is the sum of its groups' ranks: two groups, or one of two ranks or more.
+MIXED_FSDP_RULE: dict[str, Any] = {
+    "anyOf": [
+        {"properties": {"parallel": {"enum": ["none", "ddp"]}}},
+        {"properties": {"groups": {"minItems": 2}}},
+        {"properties": {"groups": {"contains": {"required": ["ranks"], "properties": {"ranks": {"minimum": 2}}}}}},
+    ]
+}
+
+
 class _ParallelFields(BaseModel):
     """How the job runs the model across ranks: what a rank holds, so part of the request key."""
+
+    model_config = ConfigDict(json_schema_extra=FSDP_RULE)
 
     parallel: Literal["none", "ddp", "fsdp"] = Field(
         default="none",
@@ -236,7 +263,7 @@ class MixedGroupQuery(_MemoryFields):
 class MixedPlanQuery(BaseModel):
     """`POST /v1/plan/mixed`: one plan for a job whose ranks span GPU models, from each model's stored result."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=MIXED_FSDP_RULE)
 
     workload: str = Field(pattern=NAME_PATTERN, description="A registered workload.")
     effective_batch: int = Field(ge=1, le=MAX_BATCH, description="Samples per optimizer step, over all ranks.")
@@ -287,6 +314,41 @@ class RunFailureReport(_ParallelFields, _MemoryFields):
     message: str = Field(default="", max_length=2000, description="The OOM message the run saw.")
 
 
+def _published_schema(schema: dict[str, Any]) -> None:
+    # What a published result must be that the schema can state: this version, a sha256, and a
+    # limit the server works out itself (budget minus headroom), so that it cannot disagree.
+    properties = schema["properties"]
+    properties["schema_version"] = {**properties["schema_version"], "const": SCHEMA_VERSION}
+    properties["fingerprint"] = {**properties["fingerprint"], "pattern": FINGERPRINT_PATTERN}
+    properties["limit_bytes"] = {
+        **properties["limit_bytes"],
+        "readOnly": True,
+        "description": "budget_bytes - headroom_bytes, worked out by the server; when sent, it must be that.",
+    }
+    schema["required"] = [name for name in schema.get("required", []) if name != "limit_bytes"]
+
+
+def _whole(value: object) -> bool:
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+
+
+class PublishedResult(ProbeResult):
+    """`POST /v1/results`: a result as `autotune probe --json` writes it (`limit_bytes` may be left out)."""
+
+    model_config = ConfigDict(json_schema_extra=_published_schema)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _limit(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "limit_bytes" not in data:
+            budget, headroom = data.get("budget_bytes"), data.get("headroom_bytes")
+            if _whole(budget) and _whole(headroom):  # JSON Schema counts 5.0 as an integer too
+                return {**data, "limit_bytes": int(budget) - int(headroom)}  # type: ignore[arg-type]
+        return data
+
+
 class RunFailureRecorded(BaseModel):
     """What the service now answers for that query."""
 
@@ -296,17 +358,17 @@ class RunFailureRecorded(BaseModel):
     detail: str
 
 
-def query_parameters(model: type[BaseModel]) -> list[dict[str, Any]]:
-    """OpenAPI `parameters` for a model read from the query string (enums inlined: a query
-    parameter's schema cannot point into the model's own `$defs`; no `null`: a query string has
-    none, a parameter is present or absent)."""
+def query_parameters(model: type[BaseModel], description: str) -> list[dict[str, Any]]:
+    """OpenAPI `parameters` for a model read from the query string: one parameter whose schema is
+    the model's object, serialized as `form` with `explode` (each field its own `name=value`, as
+    separate parameters would be), so that the object can state the rules across fields (`anyOf`)
+    that separate parameters cannot. Enums are inlined (a parameter's schema cannot point into the
+    model's own `$defs`); no `null` (a query string has none: a field is present or absent)."""
     schema = model.model_json_schema()
     definitions = schema.get("$defs", {})
-    required = set(schema.get("required", []))
-    parameters = []
+    properties = {}
     for name, field in schema["properties"].items():
         field = _inline(field, definitions)
-        description = field.pop("description", "")
         field.pop("title", None)
         if field.get("default", ...) is None:
             del field["default"]
@@ -315,10 +377,22 @@ def query_parameters(model: type[BaseModel]) -> list[dict[str, Any]]:
             field = {**field, **branches[0]}
         elif branches:
             field["anyOf"] = branches
-        parameters.append(
-            {"name": name, "in": "query", "required": name in required, "description": description, "schema": field}
-        )
-    return parameters
+        properties[name] = field
+    query: dict[str, Any] = {"type": "object", "properties": properties, "required": schema.get("required", [])}
+    for rule in ("anyOf", "allOf"):
+        if rule in schema:
+            query[rule] = schema[rule]
+    return [
+        {
+            "name": "query",
+            "in": "query",
+            "style": "form",
+            "explode": True,
+            "required": True,
+            "description": description,
+            "schema": query,
+        }
+    ]
 
 
 def _inline(field: dict[str, Any], definitions: dict[str, Any]) -> dict[str, Any]:
@@ -506,7 +580,10 @@ ErrorCode = Literal[
     "no_such_device",
     "device_unavailable",
     "store_unavailable",
+    "starting",
+    "draining",
     "not_finished",
+    "model_mismatch",
     "conflict",
 ]
 
@@ -557,8 +634,12 @@ class NotFoundView(BaseModel):
 
 
 class UnavailableView(BaseModel):
-    """503: an outage, worth asking again later. `code` "store_unavailable" (the database does
-    not answer) or "device_unavailable" (a device the node has cannot be used now)."""
+    """503: the service is up but cannot answer this now; ask again after `retry_after` seconds
+    (also the `Retry-After` header). `code` "store_unavailable" (the database does not answer or
+    cannot be written), "device_unavailable" (a device the node has cannot be used now),
+    "starting" (the server is opening its store: migrations, stored results) or "draining" (it is
+    shutting down). A probe it runs goes on meanwhile: a client waits rather than probe beside it."""
 
     detail: str
-    code: Literal["device_unavailable", "store_unavailable"]
+    code: Literal["device_unavailable", "store_unavailable", "starting", "draining"]
+    retry_after: int = Field(ge=1)

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from api.cache import Cached, PlanCache, PlotCache, ResultCache
 from api.devices import DeviceCatalog, read_inventory
+from api.errors import ServiceDrainingError, ServiceStartingError
 from api.jobs import ProbeManager, Runner
 from api.metrics import Metrics
 from api.schemas import PlanView, ProbeView
@@ -52,6 +53,37 @@ class Resolved:
     request: ProbeRequest
 
 
+class Starting:
+    """What a server that answers but has no `Service` yet is doing, for /readyz and its 503s."""
+
+    def __init__(self) -> None:
+        self.doing = "starting"
+        self.failure: str | None = None  # the last attempt's error, while it tries again
+
+    def __call__(self, doing: str) -> None:
+        self.doing = doing
+
+    def describe(self) -> str:
+        return self.doing if self.failure is None else f"{self.doing}; the last try failed: {self.failure}"
+
+
+def serving(app: Any) -> Service:
+    """The app's service; or 503 (`ServiceStartingError`, `ServiceDrainingError`) while it starts
+    or shuts down: the server answers, so a client knows it is up and waits."""
+    state = app.state
+    draining = getattr(state, "draining", None)
+    if draining is not None and draining.is_set():
+        raise ServiceDrainingError(
+            "the server is shutting down: ask again in a moment (its successor, or another worker, answers)"
+        )
+    svc: Service | None = getattr(state, "service", None)
+    if svc is None:
+        starting = getattr(state, "starting", None)
+        doing = starting.describe() if isinstance(starting, Starting) else "starting"
+        raise ServiceStartingError(f"the server is starting ({doing}): ask again in a moment")
+    return svc
+
+
 class Service:
     def __init__(
         self,
@@ -59,18 +91,23 @@ class Service:
         *,
         inventory: Callable[[], Any] | None = None,
         runner: Runner | None = None,
+        progress: Callable[[str], None] = lambda _doing: None,
     ) -> None:
         self.settings = settings
+        progress("loading the registered workloads")
         self.registry: Registry = load_registry(settings.workloads)
         # Reads NVML (`autotune.devices.nvml.inventory`); tests pass a stand-in.
         self.read_inventory: Callable[[], Any] = inventory or read_inventory
+        progress("reading the node's GPUs (NVML)")
         self.devices = DeviceCatalog(
             self.read_inventory(),
             settings.cpu_memory,
             settings.max_cpu_memory,
         )
+        progress("opening the database and migrating its schema")
         self.store = Store(settings.db)
         self.metrics = Metrics()
+        progress("loading the stored results")
         try:
             self.results = ResultCache(self.store.results_by_key())
         except BaseException:
@@ -252,12 +289,18 @@ class Service:
     # Views -----------------------------------------------------------------------------------
     def job_view(self, job_id: str) -> ProbeView | None:
         """A job as it stands: this process's own knowledge of a job it runs (or could not yet
-        record), else the store's."""
+        record), else the store's, unless the job's spool knows better (`ProbeManager.elsewhere`).
+        Raises StoreError (503)."""
         mine = self.jobs.mine(job_id)
-        record = mine[0] if mine is not None else self.store.get_job(job_id)
+        if mine is not None:
+            return self.record_view(*mine)
+        record = self.store.get_job(job_id)
         if record is None:
             return None
-        return self.record_view(record, mine[1] if mine is not None else None)
+        # The store says `running` for a job that may have ended on another worker of this node
+        # while the store could not be written: that worker's spool says, or this is a 503.
+        truth = self.jobs.elsewhere(record, lambda: self.store.get_job(job_id))
+        return self.record_view(*truth) if truth is not None else self.record_view(record)
 
     def record_view(self, record: JobRecord, result: ProbeResult | None = None) -> ProbeView:
         if result is None and record.status == "succeeded" and record.fingerprint:

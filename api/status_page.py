@@ -43,7 +43,7 @@ from fastapi.responses import HTMLResponse
 from api import v1
 from api.schemas import PlanView, ProbeView
 from api.security import require_token
-from api.service import Service
+from api.service import Service, serving
 from autotune import __version__
 from autotune.plans.plan import Plan
 from autotune.results import ParallelSpec, ProbeResult
@@ -129,7 +129,7 @@ class _FromStore:
 @router.get("/", response_class=HTMLResponse)
 async def status_page(request: Request) -> HTMLResponse:
     require_token(request)
-    svc: Service = request.app.state.service
+    svc = serving(request.app)
     devices = await v1.devices(svc)
     problem = None
     try:

@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from api.devices import snapshot
-from api.errors import NotFoundError, ProbeNotFinishedError
+from api.errors import ModelMismatchError, NotFoundError, ProbeNotFinishedError
 from api.mixed import answer as answer_mixed
 from api.schemas import (
     FINGERPRINT_PATTERN,
@@ -42,6 +42,7 @@ from api.schemas import (
     ProbeCreate,
     ProbeView,
     Published,
+    PublishedResult,
     QueueFullView,
     RunFailureRecorded,
     RunFailureReport,
@@ -51,8 +52,9 @@ from api.schemas import (
     query_parameters,
 )
 from api.security import check_token, require_token
-from api.service import Resolved, Service, check_plan
+from api.service import Resolved, Service, check_plan, serving
 from autotune.results import SCHEMA_VERSION, ProbeResult, RunFailure
+from autotune.store import StoredResult, now
 from autotune.workloads.probekey import key_from_result, result_model_problems
 from autotune.workloads.registry import UnknownWorkloadError
 
@@ -84,7 +86,9 @@ _ERROR_STATUSES: dict[int, dict[str, Any]] = {
     },
     503: {
         "model": UnavailableView,
-        "description": "The store, or a device the node has, is unavailable: an outage, ask again later.",
+        "description": "The service is up but cannot answer now (the store or a device is unavailable, it is "
+        "starting or shutting down): ask again after Retry-After seconds.",
+        "headers": _RETRY_AFTER,
     },
 }
 
@@ -113,12 +117,12 @@ def _probe_links(expression: str) -> dict[str, Any]:
     }
 
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(check_token)], responses=_errors(401))
+# Every /v1 route may answer 503 while the server starts or shuts down, whatever it does.
+router = APIRouter(prefix="/v1", dependencies=[Depends(check_token)], responses=_errors(401, 503))
 
 
 async def service(request: Request) -> Service:
-    svc: Service = request.app.state.service
-    return svc
+    return serving(request.app)
 
 
 ServiceDep = Annotated[Service, Depends(service)]
@@ -179,7 +183,13 @@ def _resolve_query(svc: Service, query: PlanQuery | RunFailureReport) -> Resolve
 @router.get(
     "/plan",
     response_model=PlanView,
-    openapi_extra={"parameters": query_parameters(PlanQuery)},
+    openapi_extra={
+        "parameters": query_parameters(
+            PlanQuery,
+            "The query's fields, each its own `name=value` parameter (`?workload=gpt&effective_batch=256`). "
+            "Rules across them: parallel=fsdp needs world_size 2 or more.",
+        )
+    },
     summary="Micro-batches and accumulation steps for an effective batch, from the stored result",
     operation_id="get_plan",
     responses={
@@ -198,7 +208,7 @@ def _resolve_query(svc: Service, query: PlanQuery | RunFailureReport) -> Resolve
     },
 )
 async def get_plan(request: Request) -> Response:
-    svc: Service = request.app.state.service
+    svc = serving(request.app)
     query = _plan_query(request)
     resolved = _resolve_query(svc, query)
     effective_batch, world_size, policy, wait = query.effective_batch, query.world_size, query.policy, query.wait
@@ -223,12 +233,18 @@ async def get_plan(request: Request) -> Response:
         if cached is not None:
             body = svc.plan_body(resolved, cached, effective_batch, world_size, policy)
             return Response(body, media_type="application/json")
+        serving(request.app)  # woken because the server is shutting down: 503 draining, not 202
     assert submitted.job is not None
     job_id = submitted.job.id
     view = await asyncio.to_thread(svc.job_view, job_id)
     if view is None:  # not expected: the job was just created or just failed
         raise NotFoundError(f"the probe for workload {query.workload!r} vanished: ask again")
     location = {"Location": f"/v1/probes/{view.id}"}
+    if view.status == "succeeded" and view.result is not None:
+        # Finished on another worker of this node, which the store does not say yet: its spool does.
+        stored = StoredResult(result=view.result, source="probe", stored_at=view.finished_at or now())
+        body = svc.plan_body(resolved, svc.results.put(resolved.digest, stored), effective_batch, world_size, policy)
+        return Response(body, media_type="application/json")
     if view.status == "failed":
         message = view.error.message if view.error else "the probe failed"
         failure = PlanFailed(detail=f"the probe for this plan failed: {message}", probe=view)
@@ -475,29 +491,36 @@ async def report_run_failure(body: RunFailureReport, svc: ServiceDep) -> RunFail
     summary="Store a probe result made elsewhere (autotune probe --publish URL)",
     responses={201: {"description": "Stored; Location: /v1/results/{fingerprint}."}},
 )
-async def publish(result: ProbeResult, response: Response, svc: ServiceDep) -> Published:
+async def publish(upload: PublishedResult, response: Response, svc: ServiceDep) -> Published:
     """Store a result for the registered entry with its target and options, under the key that
     entry's plan queries compute (`key_from_result`: the result's fields with the entry's model
     fingerprint and source hash).
 
-    A result demonstrably probed from another model than the one registered is refused with 422
-    naming the field (`result_model_problems`): its fingerprint must be the one the registered
-    workload gives in the result's own environment, and its `workload.input_spec` and `batch_norm`
-    must be the registered workload's. A model edited since the result was probed is such a model.
-    An edit that changes none of those (only the code of a forward) cannot be told from a result."""
-    _check_result(result)
+    In this order, so that each refusal is the first that applies: a result for no registered
+    workload is 404; one that contradicts itself where a reader can see it (its version, its
+    fingerprint's form, a limit that is not budget minus headroom) is 422; one demonstrably probed
+    from another model than the one registered is 409 naming the field (`result_model_problems`:
+    its fingerprint must be the one the registered workload gives in the result's own environment,
+    and its `workload.input_spec` and `batch_norm` must be the registered workload's; a model
+    edited since the result was probed is such a model); one whose trials do not show its answer
+    is 422. An edit that changes none of those (only the code of a forward) cannot be told from a
+    result."""
+    result = ProbeResult.model_validate(upload.model_dump())
+    # Which registered workload it is for comes first: a result for none is refused (404) whatever
+    # it holds, as a plan query for an unknown workload is.
     entry = svc.registry.find(result.workload.target, result.workload.options)
     if entry is None:
         raise UnknownWorkloadError(
             f"no registered workload has target {result.workload.target!r} with options "
             f"{result.workload.options}: register it in the AUTOTUNE_WORKLOADS file to publish results for it"
         )
+    _refuse(_contradictions(result))
     # Builds the registered model on the meta device: off the event loop.
     mismatches = await run_in_threadpool(result_model_problems, result, entry)
     if mismatches:
-        raise RequestValidationError(
-            [{"type": "value_error", "loc": ("body", *where), "msg": why, "input": None} for where, why in mismatches]
-        )
+        named = "; ".join(f"{'.'.join(where)}: {why}" for where, why in mismatches)
+        raise ModelMismatchError(f"the result was not probed from the registered workload {entry.name!r}: {named}")
+    _refuse(_unsupported(result))
     key = key_from_result(result, entry)
     digest = key.digest() if key is not None else None
     stored = await asyncio.to_thread(svc.store.put_result, result, digest, source="published")
@@ -514,15 +537,21 @@ async def publish(result: ProbeResult, response: Response, svc: ServiceDep) -> P
     return Published(fingerprint=result.fingerprint, workload=entry.name, request_key=digest, detail=detail)
 
 
-def _check_result(result: ProbeResult) -> None:
-    """What pydantic cannot say about a result: the search's guarantees and finite numbers."""
+def _contradictions(result: ProbeResult) -> list[str]:
+    """What a result says against itself where a reader sees it at once (the schema states these)."""
     problems = []
     if result.schema_version != SCHEMA_VERSION:
         problems.append(f"schema_version {result.schema_version} is not {SCHEMA_VERSION}")
     if not _FINGERPRINT.match(result.fingerprint):
         problems.append("fingerprint must be 64 lowercase hex digits (sha256)")
     if result.limit_bytes != result.budget_bytes - result.headroom_bytes:
-        problems.append("limit_bytes must equal budget_bytes - headroom_bytes")
+        problems.append("limit_bytes must equal budget_bytes - headroom_bytes (leave it out: the server works it out)")
+    return problems
+
+
+def _unsupported(result: ProbeResult) -> list[str]:
+    """What pydantic cannot say about a result: the search's guarantees and finite numbers."""
+    problems = []
     if result.limit_bytes < 1:
         problems.append("limit_bytes must be positive")
     # The answer's evidence: trials of its loop shape, and fresh-process runs that lowered it.
@@ -542,6 +571,10 @@ def _check_result(result: ProbeResult) -> None:
         problems.append(f"not capped, yet no failed trial at {above} ({name} + granularity)")
     if not _finite(result.model_dump()):
         problems.append("numbers must be finite (no NaN or Infinity)")
+    return problems
+
+
+def _refuse(problems: list[str]) -> None:
     if problems:
         raise RequestValidationError(
             [{"type": "value_error", "loc": ("body",), "msg": p, "input": None} for p in problems]
@@ -596,13 +629,17 @@ def _document_publish() -> None:
                     },
                     **_errors(
                         404,
+                        409,
                         413,
                         422,
                         503,
                         e404="No registered workload has the result's target and options.",
-                        e422="Invalid result: the fields that fail the schema, or the rules a result must keep "
-                        "(limit = budget - headroom, a fitting trial at the answer and a failing one above it, "
-                        "the registered workload's fingerprint) that no schema can state.",
+                        e409="The result was not probed from the model registered under its target (`code` "
+                        "model_mismatch): its fingerprint, `workload.input_spec` or `batch_norm` is not what the "
+                        "registered workload gives now, as after an edit of the model; the detail names the field.",
+                        e422="Invalid result: the fields that fail the schema, a limit_bytes sent that is not "
+                        "budget_bytes - headroom_bytes, or the rules of a sound result that no schema can state "
+                        "(a positive limit, a fitting trial at the answer and a failing one above it).",
                     ),
                 }
             )

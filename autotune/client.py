@@ -7,20 +7,27 @@
 
 `plan` asks `GET /v1/plan`; when no result is stored the service starts a probe and the client
 waits for it, long-polling (`wait=`) with exponential backoff between answers, up to `timeout`.
-Errors become ours: 401 `AuthError`; an unreachable service or a 5xx `ServiceUnavailableError`
-(after a few retries with backoff); other refusals `ServiceError` with the status code; a probe
-that failed on the service the `ProbeError` it failed with. With `fallback="local"`, a service
-that cannot be reached (or answers 5xx) is replaced by a probe in this job, of the same registered
-workload read from AUTOTUNE_WORKLOADS (or the built-ins), in an isolated child, under the
-device's lock as every probe on the node (`autotune.engine.lock`): it waits for a probe the service
-or anyone else is running on that device. A probe that is still running when `timeout` passes is
-not a reason to fall back: a second probe on the same GPU would measure a card the first one is using.
+Errors become ours: 401 `AuthError`; a service that is down or degraded past the deadline
+`ServiceUnavailableError`; other refusals `ServiceError` with the status code; a probe that failed
+on the service the `ProbeError` it failed with.
+
+**Down or degraded.** A service is *down* when it cannot be reached (a refused connection, a
+timeout, a proxy's 502/504 or a 5xx that is not ours): after a few retries with backoff, and only
+then, `fallback="local"` probes in this job instead, the same registered workload read from
+AUTOTUNE_WORKLOADS (or the built-ins), in an isolated child, under the device's lock as every probe
+on the node (`autotune.engine.lock`): it waits for a probe the service or anyone else is running
+on that device. A service is *degraded* when it answers 503 with one of its own codes
+(`store_unavailable`, `starting`, `draining`, `device_unavailable`): it is up, and a probe it runs
+for this query goes on, so the client keeps asking, honouring `Retry-After`, with backoff, up to
+its own `timeout`, and never probes beside it. A connection refused right after the service said
+`draining` (a restart) counts as degraded for RESTART_GRACE seconds. A probe that is still running
+when `timeout` passes is not a reason to fall back either: a second probe on the same GPU would
+measure a card the first one is using.
 
 A device the service's node does not have is a refusal, not an outage: the service answers it
 with `"code": "no_such_device"` (a 404), and the client raises `NoSuchDeviceError` at once, with
 no retry and no local probe, whatever the status (probing "it" locally would measure whatever
-device this process sees instead). Only a connection failure or a 5xx without that code (the
-store is down, a proxy has no upstream) is "unavailable".
+device this process sees instead).
 
 Only httpx: no web framework, and torch is imported only for a local fallback.
 """
@@ -47,10 +54,17 @@ log = logging.getLogger(__name__)
 Fallback = Literal["local", "error"]
 MAX_WAIT = 30.0  # seconds one plan query asks the service to block (the service allows 60)
 NO_SUCH_DEVICE = "no_such_device"  # the error code of a device the service's node does not have
+# 503 codes of our service: it is up and says so; what it runs goes on, so a client waits.
+DEGRADED = frozenset({"store_unavailable", "starting", "draining", "device_unavailable"})
+RESTART_GRACE = 60.0  # seconds after "draining" during which a refused connection is a restart
 
 
-class _Unreachable(errors.ServiceUnavailableError):
-    """The service could not be reached or answered 5xx: what `fallback="local"` covers."""
+class _Down(errors.ServiceUnavailableError):
+    """The service could not be reached (or a proxy answered for it): what `fallback="local"` covers."""
+
+
+class _Degraded(errors.ServiceUnavailableError):
+    """The service is up but kept answering 503 with its own code until the deadline: no fallback."""
 
 
 class AutotuneClient:
@@ -68,6 +82,7 @@ class AutotuneClient:
         workloads_file: Path | None = None,
         transport: httpx.BaseTransport | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise errors.ConfigError(f"service URL {base_url!r} must start with http:// or https://")
@@ -80,6 +95,8 @@ class AutotuneClient:
         self._max_backoff = max_backoff
         self._workloads_file = workloads_file
         self._sleep = sleep
+        self._clock = clock
+        self._drained_at: float | None = None  # when the service last said it was shutting down
         self.last_source: Literal["service", "local"] | None = None
 
     def __enter__(self) -> AutotuneClient:
@@ -114,10 +131,12 @@ class AutotuneClient:
         `parallel`: how the job runs the model across its ranks (none, ddp, or fsdp: FSDP2 over
         `world_size` ranks); the micro-batch is per rank of such a job.
 
-        Waits up to `timeout` seconds for a probe the service runs. Raises AuthError,
-        ServiceError, ServiceUnavailableError, or the ProbeError the probe failed with. A local
-        probe holds the device's lock as every probe does: while another probe on this node holds
-        it, it waits (logged), or raises DeviceBusyError with `wait_for_device=False`."""
+        Waits up to `timeout` seconds for a probe the service runs, and for a degraded service
+        (503 with its own code: the store is down, it is starting or shutting down). Raises
+        AuthError, ServiceError, ServiceUnavailableError, or the ProbeError the probe failed with.
+        With `fallback="local"`, a service that is down (not reached) is replaced by a local
+        probe, which holds the device's lock as every probe does: while another probe on this
+        node holds it, it waits (logged), or raises DeviceBusyError with `wait_for_device=False`."""
         if fallback not in ("local", "error"):
             raise errors.ConfigError(f"fallback must be 'local' or 'error', not {fallback!r}")
         policy = parse_policy(policy)
@@ -128,7 +147,7 @@ class AutotuneClient:
         params.update(_parallel_fields(parallel, reshard_after_forward))
         try:
             made = self._plan_from_service(params, timeout)
-        except _Unreachable as exc:
+        except _Down as exc:
             if fallback == "error":
                 raise
             log.warning("autotune service unavailable (%s): probing %s in this job", exc, workload)
@@ -174,11 +193,11 @@ class AutotuneClient:
         if world_size != 1:
             body["world_size"] = world_size
         body["refresh"] = refresh
-        deadline = time.monotonic() + timeout
-        answer = self._json(self._send("POST", "/v1/probes", json=body))
+        deadline = self._clock() + timeout
+        answer = self._json(self._send("POST", "/v1/probes", json=body, deadline=deadline))
         delay = self._backoff
         while answer.get("status") in ("queued", "running"):
-            remaining = deadline - time.monotonic()
+            remaining = deadline - self._clock()
             if remaining <= 0:
                 raise errors.ServiceUnavailableError(
                     f"probe {answer.get('id')} is still {answer.get('status')} after {timeout:g} s: "
@@ -186,7 +205,7 @@ class AutotuneClient:
                 )
             self._sleep(min(delay, remaining))
             delay = min(delay * 2, self._max_backoff)
-            answer = self._json(self._send("GET", f"/v1/probes/{answer['id']}"))
+            answer = self._json(self._send("GET", f"/v1/probes/{answer['id']}", deadline=deadline))
         if answer.get("status") == "failed":
             raise _probe_error(answer)
         return ProbeResult.model_validate(answer["result"])
@@ -296,19 +315,21 @@ class AutotuneClient:
 
     # Internals -------------------------------------------------------------------------------
     def _plan_from_service(self, params: dict[str, Any], timeout: float) -> Plan:
-        deadline = time.monotonic() + timeout
+        deadline = self._clock() + timeout
         delay = self._backoff
         while True:
-            remaining = max(0.0, deadline - time.monotonic())
+            remaining = max(0.0, deadline - self._clock())
             wait = round(min(remaining, MAX_WAIT), 1)
-            response = self._send("GET", "/v1/plan", params={**params, "wait": wait}, extra_timeout=wait)
+            response = self._send(
+                "GET", "/v1/plan", params={**params, "wait": wait}, extra_timeout=wait, deadline=deadline
+            )
             answer = self._json(response)
             if response.status_code == 200:
                 return Plan.model_validate(answer["plan"])
             if response.status_code == 409:
                 raise _probe_error(answer.get("probe") or {}, answer.get("detail"))
             probe = answer.get("probe") or {}
-            remaining = deadline - time.monotonic()
+            remaining = deadline - self._clock()
             if remaining <= 0:
                 raise errors.ServiceUnavailableError(
                     f"no plan after {timeout:g} s: the service's probe {probe.get('id')} is still "
@@ -366,27 +387,79 @@ class AutotuneClient:
         params: dict[str, Any] | None = None,
         json: Any = None,
         extra_timeout: float = 0.0,
+        deadline: float | None = None,
     ) -> httpx.Response:
-        """One request, retried with backoff while the service is unreachable or answers 502-504.
-        Returns 2xx and 409 answers; raises ours for the rest."""
+        """One request. Returns 2xx and 409 answers; raises ours for the rest.
+
+        Down (not reached, a proxy's 502/504, a 5xx that is not ours): retried `retries` times with
+        backoff, then `_Down`. Degraded (503 with one of the service's own codes): asked again
+        after its Retry-After (at least the backoff, at most `max_backoff`) until `deadline`, then
+        `_Degraded`; without a deadline, `retries` times. A refused connection within RESTART_GRACE
+        of a "draining" answer is a restart: waited for as degraded."""
         delay = self._backoff
-        for attempt in range(self._retries + 1):
-            last = attempt == self._retries
+        failures = 0
+        degraded: str | None = None
+        while True:
             try:
                 response = self._http.request(
                     method, path, params=params, json=json, timeout=self._request_timeout + extra_timeout
                 )
             except httpx.TransportError as exc:  # connect, read, timeouts, protocol errors
-                if last:
-                    raise _Unreachable(
-                        f"cannot reach the autotune service at {self.base_url}: {type(exc).__name__}: {exc}"
-                    ) from None
-            else:
-                if response.status_code not in (502, 503, 504) or last or _code(response) == NO_SUCH_DEVICE:
-                    return _check(response)
-            self._sleep(delay)
-            delay = min(delay * 2, self._max_backoff)
-        raise AssertionError("unreachable")
+                failures += 1
+                why = f"cannot reach the autotune service at {self.base_url}: {type(exc).__name__}: {exc}"
+                if not self._restarting() or not self._before(deadline, failures):
+                    if failures > self._retries:
+                        raise _Down(why) from None
+                elif degraded is None:
+                    log.warning("autotune service restarting (%s): waiting for it", why)
+                    degraded = why
+                self._pause(delay, None, deadline)
+                delay = min(delay * 2, self._max_backoff)
+                continue
+            code = _code(response)
+            if response.status_code == 503 and code in DEGRADED:
+                failures += 1
+                if code == "draining":
+                    self._drained_at = self._clock()
+                why = f"the autotune service answered 503 {code}: {_detail(response)}"
+                if not self._before(deadline, failures):
+                    waited = "" if deadline is None else " until the deadline"
+                    raise _Degraded(
+                        f"{why} (it is up, so no local probe was started; it said so{waited}): ask again later"
+                        + (" or raise the timeout" if deadline is not None else ""),
+                        status_code=503,
+                    )
+                if degraded != code:
+                    log.warning("%s: waiting for it (it is up: a probe it runs goes on)", why)
+                    degraded = code
+                self._pause(delay, _retry_after(response), deadline)
+                delay = min(delay * 2, self._max_backoff)
+                continue
+            if degraded is not None:
+                log.info("autotune service answers again (%d)", response.status_code)
+            ours = code is not None
+            if response.status_code in (502, 503, 504) and not ours and failures < self._retries:
+                failures += 1
+                self._pause(delay, None, deadline)
+                delay = min(delay * 2, self._max_backoff)
+                continue
+            return _check(response)
+
+    def _before(self, deadline: float | None, failures: int) -> bool:
+        """Whether a degraded service may be asked again: before the deadline, or within the retries."""
+        if deadline is None:
+            return failures <= self._retries
+        return self._clock() < deadline
+
+    def _restarting(self) -> bool:
+        return self._drained_at is not None and self._clock() - self._drained_at < RESTART_GRACE
+
+    def _pause(self, delay: float, retry_after: float | None, deadline: float | None) -> None:
+        seconds = min(max(delay, retry_after or 0.0), max(self._max_backoff, delay))
+        if deadline is not None:
+            seconds = min(seconds, max(0.0, deadline - self._clock()))
+        if seconds > 0:
+            self._sleep(seconds)
 
     @staticmethod
     def _json(response: httpx.Response) -> dict[str, Any]:
@@ -413,8 +486,8 @@ def _check(response: httpx.Response) -> httpx.Response:
         )
     if _code(response) == NO_SUCH_DEVICE:
         raise errors.NoSuchDeviceError(f"the autotune service refused: {detail}", status_code=code)
-    if code >= 500:
-        raise _Unreachable(f"the autotune service answered {code}: {detail}", status_code=code)
+    if code >= 500:  # a 5xx that is not one of our 503s: a proxy without its upstream, a crash
+        raise _Down(f"the autotune service answered {code}: {detail}", status_code=code)
     raise errors.ServiceError(f"the autotune service answered {code}: {detail}", status_code=code)
 
 
@@ -428,6 +501,15 @@ def _code(response: httpx.Response) -> str | None:
         return None
     code = body.get("code") if isinstance(body, dict) else None
     return code if isinstance(code, str) else None
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    """Retry-After in seconds (the service sends a number; an HTTP date is not ours)."""
+    try:
+        seconds = float(response.headers.get("retry-after", ""))
+    except ValueError:
+        return None
+    return seconds if 0 <= seconds < 3600 else None
 
 
 def _detail(response: httpx.Response) -> str:

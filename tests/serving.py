@@ -108,7 +108,10 @@ def start_server(
     env: dict[str, str] | None = None,
     startup_timeout: float = 60.0,
     workers: int = 1,
+    wait_open: bool = True,
 ) -> Server:
+    """`autotune serve` in a subprocess, returned once its service is open (`opened`); with
+    `wait_open=False`, as soon as it answers /healthz (its store may still be opening)."""
     directory.mkdir(parents=True, exist_ok=True)
     workloads_file = directory / "workloads.toml"
     workloads_file.write_text(workloads)
@@ -147,11 +150,23 @@ def start_server(
         if process.poll() is not None:
             raise AssertionError(f"server exited with {process.returncode}:\n{server.output()}")
         with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{server.url}/healthz", timeout=1.0).status_code == 200:
+            if opened(server.url, workers) if wait_open else httpx.get(f"{server.url}/healthz").status_code == 200:
                 return server
         time.sleep(0.1)
     server.stop(signal.SIGKILL)
-    raise AssertionError(f"server did not answer /healthz within {startup_timeout} s:\n{server.output()}")
+    raise AssertionError(f"server did not open its service within {startup_timeout} s:\n{server.output()}")
+
+
+def opened(url: str, workers: int = 1) -> bool:
+    """The server answers and has opened its service (store, stored results): /healthz answers from
+    the first moment and /readyz says "starting: ..." until then (on each of its workers: a new
+    connection for each ask, so that any worker may take it)."""
+    for _ in range(4 * workers):
+        ready = httpx.get(f"{url}/readyz", timeout=5.0)
+        problems = ready.json().get("problems", []) if ready.status_code in (200, 503) else ["?"]
+        if any(str(problem).startswith("starting") for problem in problems):
+            return False
+    return True
 
 
 @contextlib.contextmanager

@@ -94,13 +94,8 @@ suppress-health-check = ["too_slow"]
 [dictionaries.workloads]
 values = ["tiny", "nofit"]
 
-[dictionaries.waits]
-values = [0]
-
 [parameters]
-"query.workload" = { dictionary = "workloads", probability = 0.5 }
 "body.workload" = { dictionary = "workloads", probability = 0.5 }
-"query.wait" = { dictionary = "waits", probability = 1.0 }
 """
 RULES = """
 [[operations]]
@@ -162,6 +157,32 @@ def test_schemathesis_finds_no_failure(server: Server, tmp_path: Path) -> None:
     print(report[report.find("Examples (") :])  # shown with -s or -rP: phases, operations, cases
 
 
+def test_a_default_schemathesis_run_finds_no_failure(server: Server, tmp_path: Path) -> None:
+    """`schemathesis run` as anyone would first run it: every check, every phase, its default number
+    of examples, no configuration (run from an empty directory, so no schemathesis.toml is found),
+    no hooks and nothing allowed beyond its defaults; only the token and a fixed seed. A
+    schema-valid request that the service refuses with 422 fails it: the rules across fields are
+    in the document (FSDP over one rank, a published result's form and its limit), and what no
+    schema can state is reached only from a request that passed those (a registered workload)."""
+    pytest.importorskip("schemathesis", reason="schemathesis is in the dev extra: pip install -e '.[dev]'")
+    junit = tmp_path / "junit.xml"
+    command = [
+        *(sys.executable, "-m", "schemathesis.cli", "run", f"{server.url}/openapi.json"),
+        *("--checks", "all", "--seed", str(SEED)),
+        *("--header", f"Authorization: Bearer {TOKEN}"),
+        *("--report", "junit", "--report-junit-path", str(junit)),
+    ]
+    started = time.monotonic()
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=420, check=False)
+    seconds = time.monotonic() - started
+    report = done.stdout + done.stderr
+    assert done.returncode == 0, f"schemathesis failed after {seconds:.0f} s:\n{report}\nserver log:\n{server.output()}"
+    suites = ET.parse(junit).getroot()
+    failures, errors_ = (sum(int(s.get(k, 0)) for s in suites.iter("testsuite")) for k in ("failures", "errors"))
+    assert (failures, errors_) == (0, 0), report
+    print(f"{seconds:.0f} s:", report[report.find("Test cases:") :])
+
+
 # The document itself ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def document(server: Server) -> dict[str, Any]:
@@ -207,13 +228,23 @@ def test_every_status_a_route_answers_is_documented(document: dict[str, Any]) ->
         ("get", "/v1/probes/{probe_id}"): {"200", "401", "404", "503"},
         ("get", "/v1/probes/{probe_id}/plot.png"): {"200", "401", "404", "409", "503"},
         ("post", "/v1/run-failures"): {"200", "401", "404", "413", "422", "503"},
-        ("post", "/v1/results"): {"201", "401", "404", "413", "422", "503"},
+        ("post", "/v1/results"): {"201", "401", "404", "409", "413", "422", "503"},
         ("get", "/v1/results/{fingerprint}"): {"200", "401", "404", "503"},
-        ("get", "/v1/devices"): {"200", "401"},
-        ("get", "/v1/workloads"): {"200", "401"},
+        ("get", "/v1/devices"): {"200", "401", "503"},
+        ("get", "/v1/workloads"): {"200", "401", "503"},
     }
     for (method, path), statuses in expected.items():
         assert _statuses(document, method, path) == statuses, (method, path)
+    # A 503 is the service saying it is up (starting, draining, the store down): it says when to ask again.
+    for path, operations in document["paths"].items():
+        for method, operation in operations.items():
+            if path.startswith("/v1/"):
+                unavailable = operation["responses"]["503"]
+                assert unavailable["headers"]["Retry-After"]["required"] is True, (method, path)
+                schema = unavailable["content"]["application/json"]["schema"]
+                assert schema == {"$ref": "#/components/schemas/UnavailableView"}, (method, path)
+    codes = document["components"]["schemas"]["UnavailableView"]["properties"]["code"]["enum"]
+    assert set(codes) == {"store_unavailable", "device_unavailable", "starting", "draining"}
     plan = document["paths"]["/v1/plan"]["get"]["responses"]
     assert set(plan["202"]["headers"]) == {"Location", "Retry-After"}
     assert set(plan["429"]["headers"]) == {"Retry-After"}
@@ -222,20 +253,74 @@ def test_every_status_a_route_answers_is_documented(document: dict[str, Any]) ->
     assert "image/png" in plot["200"]["content"]
 
 
+def _plan_query(document: dict[str, Any]) -> dict[str, Any]:
+    """GET /v1/plan's query: one object parameter, each field its own `name=value` (form, exploded)."""
+    (parameter,) = document["paths"]["/v1/plan"]["get"]["parameters"]
+    assert (parameter["in"], parameter["style"], parameter["explode"]) == ("query", "form", True)
+    schema: dict[str, Any] = parameter["schema"]
+    return schema
+
+
 def test_sizes_are_a_byte_count_or_a_string_with_a_unit(document: dict[str, Any]) -> None:
-    parameters = {p["name"]: p for p in document["paths"]["/v1/plan"]["get"]["parameters"]}
-    memory = parameters["memory"]["schema"]["anyOf"]
-    assert memory[0] == {"type": "integer", "minimum": 1, "maximum": 2**53}
+    query = _plan_query(document)
+    fields = query["properties"]
+    assert set(query["required"]) == {"workload", "effective_batch"}
+    memory = fields["memory"]["anyOf"]
+    assert {k: v for k, v in memory[0].items() if k != "description"} == {
+        "type": "integer",
+        "minimum": 1,
+        "maximum": 2**53,
+    }
     assert memory[1]["type"] == "string"
-    assert parameters["headroom"]["schema"]["type"] == "string"
-    assert parameters["effective_batch"]["schema"] == {"type": "integer", "minimum": 1, "maximum": 2**20}
-    assert parameters["wait"]["schema"]["maximum"] == 60
+    assert fields["headroom"]["type"] == "string"
+    assert {k: fields["effective_batch"][k] for k in ("type", "minimum", "maximum")} == {
+        "type": "integer", "minimum": 1, "maximum": 2**20
+    }  # fmt: skip
+    assert fields["wait"]["maximum"] == 60
     schemas = document["components"]["schemas"]
     for model in ("ProbeCreate", "RunFailureReport"):
         types = [branch.get("type") for branch in schemas[model]["properties"]["memory"]["anyOf"]]
         assert types == ["integer", "string", "null"], model
-        headroom = [branch.get("type") for branch in schemas[model]["properties"]["headroom"]["anyOf"]]
-        assert headroom == ["number", "integer", "string", "null"], model
+        # A bare number is a fraction, below 1, as on the command line: a size is a string with its unit.
+        headroom = schemas[model]["properties"]["headroom"]["anyOf"]
+        assert [branch.get("type") for branch in headroom] == ["number", "string", "null"], model
+        assert headroom[0]["exclusiveMaximum"] == 1
+
+
+def test_the_document_states_the_rules_across_fields(document: dict[str, Any]) -> None:
+    """What a default schemathesis run checks: FSDP over one rank is invalid by the document itself,
+    in the plan query and in the bodies; a published result's form and its derived limit."""
+    jsonschema_rs = pytest.importorskip("jsonschema_rs", reason="schemathesis's validator: pip install -e '.[dev]'")
+    schemas = document["components"]["schemas"]
+
+    def valid(schema: dict[str, Any], instance: dict[str, Any]) -> bool:
+        rooted = {**schema, "components": {"schemas": schemas}}  # "#/components/schemas/..." resolve here
+        return bool(jsonschema_rs.Draft202012Validator(rooted).is_valid(instance))
+
+    query = _plan_query(document)
+    base = {"workload": "tiny", "effective_batch": 8}
+    assert valid(query, base)
+    assert valid(query, {**base, "parallel": "ddp"})
+    assert valid(query, {**base, "parallel": "fsdp", "world_size": 2})
+    assert not valid(query, {**base, "parallel": "fsdp"})
+    assert not valid(query, {**base, "parallel": "fsdp", "world_size": 1})
+    for model, body in (
+        ("ProbeCreate", {"workload": "tiny"}),
+        ("RunFailureReport", {"workload": "tiny", "micro_batch": 4}),
+    ):
+        assert valid(schemas[model], body) and valid(schemas[model], {**body, "parallel": "fsdp", "world_size": 4})
+        assert not valid(schemas[model], {**body, "parallel": "fsdp", "world_size": 1}), model
+    mixed = schemas["MixedPlanQuery"]
+    one = {"workload": "tiny", "effective_batch": 8, "parallel": "fsdp", "groups": [{"device": "cpu", "ranks": 1}]}
+    assert not valid(mixed, one)
+    assert valid(mixed, {**one, "groups": [{"device": "cpu", "ranks": 2}]})
+    assert valid(mixed, {**one, "groups": [{"device": "cpu", "ranks": 1}, {"device": "cuda:0", "ranks": 1}]})
+    published = document["paths"]["/v1/results"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    upload = schemas[published["$ref"].rsplit("/", 1)[-1]]
+    assert upload["properties"]["limit_bytes"]["readOnly"] is True
+    assert "limit_bytes" not in upload["required"]
+    assert upload["properties"]["fingerprint"]["pattern"] == "^[0-9a-f]{64}$"
+    assert upload["properties"]["schema_version"]["const"] == 2
 
 
 def test_the_readme_query_is_valid_by_the_document(server: Server) -> None:

@@ -85,13 +85,24 @@ def _serve(tmp_path: Path, db: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+def _scribble_over_pages(path: Path) -> None:
+    """Bytes overwritten inside every page after the first: quick_check then reports several
+    findings in one row of several lines ("*** in database main ***", then one per finding)."""
+    data = bytearray(path.read_bytes())
+    noise = bytes((n * 97 + 13) % 256 for n in range(50))
+    for page in range(2, len(data) // 4096):
+        data[page * 4096 + 100 : page * 4096 + 150] = noise
+    path.write_bytes(bytes(data))
+
+
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
         (lambda p: p.write_bytes(b""), "is an empty file (0 bytes)"),
         (lambda p: p.write_bytes(p.read_bytes()[:4096] + b"\x00garbage" * 2000), "is damaged"),
+        (_scribble_over_pages, "more such findings): restore it from a backup"),
     ],
-    ids=["empty", "damaged"],
+    ids=["empty", "damaged", "damaged-pages"],
 )
 def test_serve_refuses_a_damaged_or_empty_database_in_one_line(tmp_path: Path, damage, message: str) -> None:  # type: ignore[no-untyped-def]
     from autotune.store import Store
@@ -109,4 +120,6 @@ def test_serve_refuses_a_damaged_or_empty_database_in_one_line(tmp_path: Path, d
     assert len(lines) == 1, done.stderr
     assert str(db) in lines[0]
     assert message in lines[0]
+    assert lines[0].rstrip().endswith("to start an empty store"), lines[0]  # whole, not cut mid-word
+    assert "***" not in lines[0]
     assert "Traceback" not in done.stderr

@@ -82,6 +82,29 @@ def test_bad_probe_requests(client: httpx.Client, body: Any, code: int, where: l
         assert detail  # a message a person can act on
 
 
+@pytest.mark.parametrize("headroom", [5, 5.0, 1, 2**30])
+def test_a_bare_number_of_headroom_is_refused_as_the_command_line_refuses_it(
+    client: httpx.Client, headroom: Any
+) -> None:
+    """ "headroom": 5 was 5 bytes, where `--headroom 5` is refused: 5 is more likely 5% than 5 bytes."""
+    shown = f"{headroom:g}" if isinstance(headroom, float) else str(headroom)
+    answers = [
+        client.post("/v1/probes", json={"workload": "tiny", "headroom": headroom}),
+        client.post("/v1/run-failures", json={"workload": "tiny", "micro_batch": 12, "headroom": headroom}),
+        client.get("/v1/plan", params={"workload": "tiny", "effective_batch": 24, "headroom": shown}),
+    ]
+    for answer, where in zip(answers, (["body", "headroom"], ["body", "headroom"], ["query", "headroom"]), strict=True):
+        assert answer.status_code == 422, answer.text
+        errors = [e for e in answer.json()["detail"] if e["loc"] == where]
+        assert errors, answer.text
+        assert f"did you mean {float(shown):g}%?" in errors[0]["msg"], errors[0]["msg"]
+    # A fraction, a percentage and a size with its unit are what headroom is: here the stored
+    # result's 5% of 4 MiB, spelled three ways.
+    for fine in ("0.05", "5%", "209715B"):
+        answer = client.get("/v1/plan", params={"workload": "tiny", "effective_batch": 24, "headroom": fine})
+        assert answer.status_code == 200, (fine, answer.text)
+
+
 def test_a_request_for_a_gpu_on_a_node_without_one_says_why(client: httpx.Client) -> None:
     answer = client.post("/v1/probes", json={"workload": "tiny", "device": "cuda:0"})
     assert answer.status_code == 404

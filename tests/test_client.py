@@ -22,18 +22,51 @@ from tests.serving import ROOT, WORKLOADS_TOML, Server, free_port, make_result, 
 PLAN = plan(64, 16).model_dump(mode="json")
 
 
+class FakeTime:
+    """The client's clock and sleep: a sleep is recorded and moves the clock, at once."""
+
+    def __init__(self, sleeps: list[float]) -> None:
+        self.sleeps = sleeps
+        self.now = 1000.0
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+    def clock(self) -> float:
+        return self.now
+
+
 def _client(
     handler: Callable[[httpx.Request], httpx.Response], sleeps: list[float] | None = None, **kwargs: Any
 ) -> AutotuneClient:
-    recorded = sleeps if sleeps is not None else []
+    fake = FakeTime(sleeps if sleeps is not None else [])
     return AutotuneClient(
         "http://autotune.test",
         token=kwargs.pop("token", None),
         transport=httpx.MockTransport(handler),
-        sleep=recorded.append,
+        sleep=fake.sleep,
+        clock=fake.clock,
         backoff=kwargs.pop("backoff", 0.25),
         **kwargs,
     )
+
+
+def _no_local_probe(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Local probes the client would start (each raises): the test asserts there were none."""
+    started: list[str] = []
+
+    def local(_client: AutotuneClient, workload: str, *_args: object, **_kwargs: object) -> None:
+        started.append(workload)
+        raise AssertionError("probed locally while the service was up")
+
+    monkeypatch.setattr(AutotuneClient, "_local_plan", local)
+    return started
+
+
+def _degraded(code: str, retry_after: int = 2) -> httpx.Response:
+    body = {"detail": f"{code} for a while", "code": code, "retry_after": retry_after}
+    return httpx.Response(503, json=body, headers={"Retry-After": str(retry_after)})
 
 
 def _pending(status: str = "running") -> httpx.Response:
@@ -169,21 +202,86 @@ def test_a_device_the_node_lacks_is_a_refusal_not_an_outage(monkeypatch: pytest.
     assert (len(requests), sleeps) == (1, [])  # at once: no retry
 
 
-def test_a_store_outage_is_retried_then_unavailable() -> None:
+def test_a_store_outage_is_waited_for_up_to_the_deadline_and_never_probed_beside(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """503 store_unavailable is the service saying it is up: its probe goes on. The client asks
+    again after Retry-After (or its backoff, whichever is longer, at most max_backoff) until its own
+    timeout, then raises; fallback="local" does not start a probe beside the service's."""
+    local = _no_local_probe(monkeypatch)
     calls = 0
 
     def handler(_request: httpx.Request) -> httpx.Response:
         nonlocal calls
         calls += 1
-        return httpx.Response(503, json={"detail": "the database does not answer", "code": "store_unavailable"})
+        return _degraded("store_unavailable", retry_after=2)
 
     sleeps: list[float] = []
     with (
-        _client(handler, sleeps, retries=2) as client,
-        pytest.raises(errors.ServiceUnavailableError, match="does not answer"),
+        _client(handler, sleeps, retries=2, max_backoff=8) as client,
+        pytest.raises(errors.ServiceUnavailableError, match=r"store_unavailable.*no local probe") as info,
     ):
-        client.plan("tiny", 64)
-    assert (calls, sleeps) == (3, [0.25, 0.5])
+        client.plan("tiny", 64, timeout=120, fallback="local")
+    assert local == []
+    assert info.value.status_code == 503
+    assert calls > 10  # far beyond the 3 tries (2 retries) that a store outage used to get
+    assert sleeps[:6] == [2, 2, 2, 2, 4, 8] and max(sleeps) == 8  # Retry-After, then the backoff, capped
+    assert sum(sleeps) == pytest.approx(120)
+
+
+@pytest.mark.parametrize("code", ["store_unavailable", "starting", "draining", "device_unavailable"])
+def test_a_degraded_service_is_waited_for_until_it_answers(code: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    local = _no_local_probe(monkeypatch)
+    answers = iter([_degraded(code)] * 6 + [_pending(), httpx.Response(200, json={"plan": PLAN})])
+    with _client(lambda _r: next(answers), retries=0) as client:
+        assert client.plan("tiny", 64, fallback="local").micro_batch == 16
+    assert (local, client.last_source) == ([], "service")
+
+
+def test_a_restart_is_not_an_outage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The service said "draining", then refused connections while it restarted: still waited for."""
+    local = _no_local_probe(monkeypatch)
+    answers: list[Any] = [_degraded("draining")] + ["refused"] * 8 + [_degraded("starting", 1)]
+    answers.append(httpx.Response(200, json={"plan": PLAN}))
+    steps = iter(answers)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        answer = next(steps)
+        if answer == "refused":
+            raise httpx.ConnectError("connection refused", request=request)
+        return answer  # type: ignore[no-any-return]
+
+    with _client(handler, retries=1) as client:
+        assert client.plan("tiny", 64, fallback="local").micro_batch == 16
+    assert local == []
+
+
+@pytest.mark.parametrize(
+    "down",
+    [
+        lambda request: (_ for _ in ()).throw(httpx.ConnectError("connection refused", request=request)),
+        lambda request: (_ for _ in ()).throw(httpx.ConnectTimeout("timed out", request=request)),
+        lambda _request: httpx.Response(502, text="<html>Bad Gateway</html>"),
+        lambda _request: httpx.Response(503, text="no healthy upstream"),
+    ],
+    ids=["refused", "timeout", "proxy-502", "proxy-503-not-ours"],
+)
+def test_only_a_service_that_is_down_is_replaced_by_a_local_probe(
+    down: Callable[[httpx.Request], httpx.Response], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked: list[str] = []
+
+    def local(_client: AutotuneClient, workload: str, *_args: object, **_kwargs: object) -> Any:
+        asked.append(workload)
+        return plan(64, 16)
+
+    monkeypatch.setattr(AutotuneClient, "_local_plan", local)
+    sleeps: list[float] = []
+    with _client(down, sleeps, retries=2) as client:
+        assert client.plan("tiny", 64, fallback="local").micro_batch == 16
+        assert client.last_source == "local"
+    assert asked == ["tiny"]
+    assert sleeps == [0.25, 0.5]  # a few retries first, then at once: down is down
 
 
 def test_bad_arguments_fail_before_any_request() -> None:

@@ -355,7 +355,7 @@ def test_the_service_names_the_groups_it_cannot_answer(tmp_path: Path) -> None:
         assert (await client.post("/v1/plan/mixed", json={**query(h100), "workload": "nope"})).status_code == 404
         document = (await client.get("/openapi.json")).json()
         operation = document["paths"]["/v1/plan/mixed"]["post"]
-        assert set(operation["responses"]) == {"200", "404", "409", "413", "422"}
+        assert set(operation["responses"]) == {"200", "404", "409", "413", "422", "503"}  # 503: starting, draining
         schema = operation["responses"]["409"]["content"]["application/json"]["schema"]
         assert schema == {"$ref": "#/components/schemas/MixedPlanMissing"}
 

@@ -299,8 +299,9 @@ def test_after_an_edit_and_a_restart_the_old_result_no_longer_answers(user_code:
         kept = await client.get(f"/v1/results/{fingerprint}")
         assert kept.status_code == 200  # kept, not deleted
         again = await client.post("/v1/results", json=old.model_dump(mode="json"))
-        assert again.status_code == 422, again.text
-        assert ["body", "fingerprint"] in [e["loc"] for e in again.json()["detail"]]
+        assert again.status_code == 409, again.text  # its claim conflicts with the model registered now
+        assert again.json()["code"] == "model_mismatch"
+        assert "fingerprint: " in again.json()["detail"]
 
     _with_app(user_code, db, publish_and_plan)
     _with_app(user_code, db, still_answered)  # a restart alone changes nothing

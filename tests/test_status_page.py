@@ -95,6 +95,11 @@ def probed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Probed]:
         plan = client.get("/v1/plan", params={"workload": "tiny", "effective_batch": 64, "device": "cpu"})
         assert plan.status_code == 200, plan.text
         assert plan.json()["plan"]["micro_batches"] == [16, 16, 16, 16]
+        # A plan with unequal micro-batches and its warning, a long line of text: the whole plan
+        # must still show (it widened the table beyond its box, which cut off the last columns).
+        uneven = client.get("/v1/plan", params={"workload": "tiny", "effective_batch": 100, "device": "cpu"})
+        assert uneven.status_code == 200, uneven.text
+        assert uneven.json()["plan"]["warnings"], uneven.text
         yield Probed(server=server, probe_id=probe_id, live_trials=live)
 
 
@@ -160,9 +165,9 @@ def test_the_page_in_a_real_browser(probed: Probed, chromium: Path, tmp_path: Pa
             assert result.count() == 1
             assert result.locator(".max-micro-batch").inner_text() == "16"
             assert "the cap fitted" in result.inner_text()
-            plan = result.locator("tr.plan")
-            assert plan.count() == 1
-            cells = plan.locator("td").all_inner_texts()
+            plans = result.locator("tr.plan")
+            assert plans.count() == 2
+            cells = plans.filter(has_text="4 × 16").locator("td").all_inner_texts()
             assert cells[:5] == ["64", "1", "fewest-steps", "4 × 16", "4"]
             picture = result.locator("img.plot")
             assert picture.get_attribute("src") == f"/v1/probes/{probed.probe_id}/plot.png"
@@ -180,6 +185,63 @@ def test_the_page_in_a_real_browser(probed: Probed, chromium: Path, tmp_path: Pa
     width, height = struct.unpack(">II", png[16:24])
     assert width == 1280 and height >= 900
     assert len(png) > 50_000, "the screenshot is nearly blank"
+
+
+# Every element that reaches past the right edge of the viewport, or of a box that scrolls or clips it.
+OVERFLOWING = """() => {
+  const width = document.documentElement.clientWidth;
+  const found = [];
+  for (const el of document.querySelectorAll("body *")) {
+    const box = el.getBoundingClientRect();
+    if (box.width === 0 || box.height === 0) continue;
+    if (box.right > width + 0.5) found.push(`${el.tagName.toLowerCase()}.${el.className}: right ${box.right}`);
+  }
+  for (const el of document.querySelectorAll(".scroll")) {
+    if (el.scrollWidth > el.clientWidth) found.push(`a .scroll box hides ${el.scrollWidth - el.clientWidth} px`);
+  }
+  return {page: document.documentElement.scrollWidth, width, found};
+}"""
+
+
+@pytest.mark.parametrize(("width", "height"), [(1280, 900), (390, 844)], ids=["desktop-1280", "phone-390"])
+def test_the_whole_plan_shows_and_the_page_fits_the_screen(
+    probed: Probed, chromium: Path, width: int, height: int
+) -> None:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(chromium), args=CHROMIUM_ARGS)
+        try:
+            context = browser.new_context(
+                viewport={"width": width, "height": height},
+                device_scale_factor=1,
+                is_mobile=width < 500,
+                has_touch=width < 500,
+                extra_http_headers={"Authorization": f"Bearer {TOKEN}"},
+            )
+            page = context.new_page()
+            response = page.goto(f"{probed.server.url}/", wait_until="load")
+            assert response is not None and response.status == 200
+            layout = page.evaluate(OVERFLOWING)
+            # No horizontal scrolling: the page is as wide as the screen, and nothing sticks out.
+            assert layout["page"] <= width, layout
+            assert layout["found"] == [], layout
+            # Every cell of every plan is on the screen, the micro-batches and steps included.
+            result = page.locator('article.result[data-workload="tiny"]')
+            for row in result.locator("tr.plan, tr.plan-warning").all():
+                for cell in row.locator("td").all():
+                    box = cell.bounding_box()
+                    assert box is not None and box["width"] > 0, cell.inner_text()
+                    assert box["x"] >= 0 and box["x"] + box["width"] <= width + 0.5, (cell.inner_text(), box)
+            uneven = result.locator("tr.plan", has_text="5 × 14")
+            assert uneven.locator(".micro-batches").inner_text() == "2 × 15, 5 × 14"
+            assert uneven.locator("td").nth(4).inner_text().endswith("7")  # the steps
+            assert result.locator("tr.plan-warning").first.is_visible()
+            if width < 500:  # a phone: each row a card of labelled values
+                label = uneven.locator(".micro-batches").evaluate("td => getComputedStyle(td, '::before').content")
+                assert "Micro-batches per rank" in label
+        finally:
+            browser.close()
 
 
 # In-process: the app over httpx's ASGI transport ------------------------------------------------

@@ -83,10 +83,25 @@ def check_sqlite_file(path: Path) -> None:
         raise StoreError(_damaged(path, str(exc))) from None
     problems = [str(row[0]) for row in rows if row[0] != "ok"]
     if problems:
-        raise StoreError(_damaged(path, "; ".join(problems)[:200]))
+        raise StoreError(_damaged(path, _first_problem(problems)))
+
+
+def _first_problem(rows: list[str]) -> str:
+    """quick_check's rows as one line: its first finding, whole, and how many more there are.
+    A row may hold several lines ("*** in database main ***" then one per finding), and cutting the
+    joined rows to a length left a message of several lines ending mid-word."""
+    findings = [
+        line.strip() for row in rows for line in row.splitlines() if line.strip() and not line.startswith("***")
+    ]
+    if not findings:
+        return "PRAGMA quick_check failed"
+    first = findings[0] if len(findings[0]) <= 160 else findings[0][:160].rsplit(" ", 1)[0] + " ..."
+    more = len(findings) - 1
+    return first if not more else f"{first}; and {more} more such finding{'s' if more > 1 else ''}"
 
 
 def _damaged(path: Path, why: str) -> str:
+    why = " ".join(why.split())  # one line, whatever the driver said
     return (
         f"the database {path} is damaged ({why}): restore it from a backup, or move it aside "
         f"(mv {path} {path}.damaged) to start an empty store"
@@ -180,6 +195,27 @@ def migrate(engine: Engine) -> None:
                     conn.exec_driver_sql(f"PRAGMA user_version={SCHEMA_VERSION}")
     except SQLAlchemyError as exc:
         raise StoreError(f"cannot prepare the database {describe(url)}: {reason(exc)}") from None
+
+
+def refuse_newer(engine: Engine) -> None:
+    """Raise StoreError when the database was written by a newer autotune; reads only, so that
+    `autotune serve` can say so (exit 2) before it listens, and migrate afterwards."""
+    url = engine.url
+    known = {rev.revision for rev in ScriptDirectory(str(MIGRATIONS)).walk_revisions()}
+    try:
+        with engine.connect() as conn:
+            tables = set(inspect(conn).get_table_names())
+            current = None
+            if "alembic_version" in tables:
+                current = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+            if url.get_backend_name() == "sqlite":
+                version = conn.exec_driver_sql("PRAGMA user_version").scalar() or 0
+                if version > SCHEMA_VERSION:
+                    raise StoreError(_newer(url, f"schema version {version}"))
+    except SQLAlchemyError as exc:
+        raise StoreError(f"cannot read the database {describe(url)}: {reason(exc)}") from None
+    if current is not None and current not in known:
+        raise StoreError(_newer(url, f"revision {current}"))
 
 
 def _newer(url: URL, what: str) -> str:

@@ -70,6 +70,7 @@ class JobRecord(BaseModel):
     fingerprint: str | None = None
     error: JobError | None = None
     trials: list[TrialRecord] = Field(default_factory=list)
+    owner: str | None = Field(default=None, description="The worker running it (host:pid:nonce), while it runs.")
 
 
 class StoredResult(BaseModel):
@@ -155,6 +156,8 @@ class Store:
         try:
             if migrate:
                 engines.migrate(self._engine)
+            else:
+                engines.refuse_newer(self._engine)
         except BaseException:
             self._engine.dispose()
             raise
@@ -688,6 +691,7 @@ class Store:
             fingerprint=row.fingerprint,
             error=JobError(type=row.error_type, message=row.error_message or "") if row.error_type else None,
             trials=[TrialRecord.model_validate_json(d) for (d,) in documents],
+            owner=row.owner,
         )
 
 
