@@ -24,16 +24,16 @@ import shutil
 import socket
 import tempfile
 
-from autotune.errors import ConfigError, StoreError
-from autotune.settings import get_settings
-from autotune.store import Store
-from autotune.workloads.registry import load_registry
-
 BACKLOG = 2048  # uvicorn's default: connections that wait while the server starts
 
 
 def preflight() -> None:
     """Load the workloads file, open and check the database (no migration). Raises ConfigError."""
+    from autotune.errors import ConfigError, StoreError
+    from autotune.settings import get_settings
+    from autotune.store import Store
+    from autotune.workloads.registry import load_registry
+
     settings = get_settings()
     load_registry(settings.workloads)
     try:
@@ -49,12 +49,17 @@ def listen(host: str, port: int, workers: int) -> list[socket.socket]:
     protocol 0, so asyncio never sets TCP_NODELAY on the connections they accept, and every
     keep-alive answer written in two pieces waits ~40 ms for the client's delayed ACK (uvicorn
     issue 3149)."""
-    if workers > 1:
-        import uvicorn
-
-        bound = uvicorn.Config("api.app:create_served_app", host=host, port=port).bind_socket()
-        listener = socket.socket(bound.family, bound.type, socket.IPPROTO_TCP, fileno=bound.detach())
-        listener.listen(BACKLOG)
+    if workers > 1:  # as uvicorn's Config.bind_socket, without importing uvicorn first
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((host, port))
+            listener.listen(BACKLOG)
+        except OSError:
+            listener.close()
+            raise
+        listener.set_inheritable(True)
         return [listener]
     sockets: list[socket.socket] = []
     try:
@@ -80,12 +85,12 @@ def listen(host: str, port: int, workers: int) -> list[socket.socket]:
 
 def serve(host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", workers: int = 1) -> None:
     """Run the service until interrupted."""
-    import uvicorn
-    from uvicorn.supervisors import Multiprocess
-
-    listeners = listen(host, port, workers)
+    listeners = listen(host, port, workers)  # first: from now on a connection waits, not refused
     shared = None
     try:
+        import uvicorn
+        from uvicorn.supervisors import Multiprocess
+
         preflight()
         logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
         # No access log: it costs more than a plan query itself; /metrics counts the requests.
