@@ -206,36 +206,16 @@ def _draw_breakdown(ax: Any, result: ProbeResult, breakdown: MemoryBreakdown) ->
     ax.legend(handles[::-1], labels[::-1], loc="upper center", bbox_to_anchor=(0.5, -0.12), fontsize=8, frameon=False)
 
 
-def check_plot_path(path: str | Path, flag: str = "--plot") -> Path:
-    """The path a plot will be written to, refused now (before a probe spends minutes) when it
-    cannot be: empty, an extension FORMATS lacks, a directory, in a directory that does not exist or that this user
-    cannot write. A ConfigError names `flag` and says what to do."""
-    text = str(path)
-    if not text.strip():
-        raise ConfigError(f"{flag} is empty: give the image file to write, for example {flag} probe.png")
-    target = Path(text).expanduser()
-    if target.is_dir():
-        raise ConfigError(f"{flag} {text!r} is a directory: name a file in it, for example {target / 'probe.png'}")
+def check_plot_format(path: str | Path, flag: str = "--plot") -> None:
+    """Refuse now (before a probe spends minutes) a plot file whose extension FORMATS lacks; that the
+    file can be written is the caller's check. A ConfigError names `flag` and says what to do."""
+    target = Path(path).expanduser()
     if target.suffix.lower() not in FORMATS:
         shown = f"the extension {target.suffix!r}" if target.suffix else "no extension"
         raise ConfigError(
-            f"{flag} {text!r} has {shown}: the plot is written as PNG, JPEG, SVG or PDF, so name the file "
+            f"{flag} {str(path)!r} has {shown}: the plot is written as PNG, JPEG, SVG or PDF, so name the file "
             f"{target.with_suffix('.png')} (or end it in {', '.join(f for f in FORMATS if f != '.png')})"
         )
-    parent = target.parent
-    if not parent.is_dir():
-        what = "is not a directory" if parent.exists() else "does not exist"
-        raise ConfigError(f"{flag} {text!r}: {parent} {what}: create it first or write the plot elsewhere")
-    # Open it as the write will (permissions, a read-only file system, /proc), leaving no trace.
-    existed = target.exists()
-    try:
-        with open(target, "ab" if existed else "xb"):
-            pass
-        if not existed:
-            target.unlink()
-    except OSError as exc:
-        raise ConfigError(f"{flag} {text!r} cannot be written: {exc.strerror or exc}; choose another path") from None
-    return target
 
 
 def write_plot(result: ProbeResult, path: str | Path) -> Path:

@@ -124,3 +124,14 @@ def database(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return str(tmp_path / "autotune.db")
     url: str = request.getfixturevalue("postgres_db")
     return url
+
+
+@pytest.fixture
+def locks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A device-lock directory of the test's own, for this process and the processes it starts."""
+    from autotune.settings import get_settings
+
+    directory = tmp_path / "locks"
+    monkeypatch.setenv("AUTOTUNE_LOCK_DIR", str(directory))
+    get_settings.cache_clear()
+    return directory

@@ -23,19 +23,9 @@ import pytest
 
 from autotune.engine import lock, zygote
 from autotune.errors import DeviceBusyError
-from autotune.settings import get_settings
 from tests.serving import ROOT, alive, finished_probe, free_port, start_server, wait_for
 
 PROBE_MODULES = ("autotune.engine.zygote", "autotune.engine.isolation", "autotune.engine.confirm")
-
-
-@pytest.fixture
-def locks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A lock directory of the test's own, for this process and the processes it starts."""
-    directory = tmp_path / "locks"
-    monkeypatch.setenv("AUTOTUNE_LOCK_DIR", str(directory))
-    get_settings.cache_clear()
-    return directory
 
 
 def _env() -> dict[str, str]:

@@ -11,22 +11,11 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from autotune.engine import lock
 from autotune.errors import DeviceBusyError
-from autotune.settings import get_settings
 from tests.serving import ROOT, alive, children_of, start_server, wait_for
 
 GRACE = 1.0  # seconds after the kill by which every process of the probe must be gone
-
-
-@pytest.fixture
-def locks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    directory = tmp_path / "locks"
-    monkeypatch.setenv("AUTOTUNE_LOCK_DIR", str(directory))
-    get_settings.cache_clear()
-    return directory
 
 
 def _descendants(pid: int) -> set[int]:

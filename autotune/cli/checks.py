@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autotune.errors import AutotuneError, ConfigError, PlanError, WorkloadError
@@ -297,6 +298,30 @@ def _check_effective_batch(effective_batch: int, world_size: int, max_batch: int
             f"--effective-batch {effective_batch} is {per_rank:,} samples per rank, more than the "
             f"{MAX_SAMPLES_PER_RANK:,} a probe plans for: check the number"
         )
+
+
+def check_output_file(flag: str, text: str, *, example: str, what: str, elsewhere: str) -> Path:
+    """Where a flag's file will be written, refused before a probe spends minutes when it cannot be:
+    empty, a directory, in a directory that does not exist, or not writable there (opened as the
+    write will open it: permissions, a read-only file system, /proc; leaving no trace)."""
+    if not text.strip():
+        raise ConfigError(f"{flag} is empty: give {what} to write, for example {flag} {example}")
+    target = Path(text).expanduser()
+    if target.is_dir():
+        raise ConfigError(f"{flag} {text!r} is a directory: name a file in it, for example {target / example}")
+    parent = target.parent
+    if not parent.is_dir():
+        state = "is not a directory" if parent.exists() else "does not exist"
+        raise ConfigError(f"{flag} {text!r}: {parent} {state}: create it first or {elsewhere}")
+    existed = target.exists()
+    try:
+        with open(target, "ab" if existed else "xb"):
+            pass
+        if not existed:
+            target.unlink()
+    except OSError as exc:
+        raise ConfigError(f"{flag} {text!r} cannot be written: {exc.strerror or exc}; choose another path") from None
+    return target
 
 
 def load_settings() -> Settings:

@@ -7,8 +7,6 @@ check first), the probe run with its progress shown (`progress`), the result sai
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autotune.cli.app import app, emit_json, err
@@ -18,6 +16,7 @@ from autotune.cli.checks import (
     check_device,
     check_ignored_flags,
     check_options,
+    check_output_file,
     check_probe_relations,
     check_target,
     check_timeout,
@@ -171,11 +170,16 @@ def probe_request(flags: dict[str, Any]) -> tuple[ProbeRequest, Settings, float]
     fields = _request_fields(flags)
     check_probe_relations(flags)
     if flags["save"] is not None:
-        check_save_path(flags["save"])
+        check_output_file(
+            "--save", flags["save"], example="result.json", what="the file", elsewhere="save the result elsewhere"
+        )
     if flags["plot"] is not None:
-        from autotune.plot import check_plot_path, require_matplotlib
+        from autotune.plot import check_plot_format, require_matplotlib
 
-        check_plot_path(flags["plot"])
+        check_output_file(
+            "--plot", flags["plot"], example="probe.png", what="the image file", elsewhere="write the plot elsewhere"
+        )
+        check_plot_format(flags["plot"])
         require_matplotlib()
     settings = load_settings()
     if timeout is None:
@@ -229,19 +233,3 @@ def _request_fields(flags: dict[str, Any]) -> dict[str, Any]:
             )
         },
     )
-
-
-def check_save_path(text: str) -> Path:
-    """Where --save will write, refused before the probe spends minutes when it cannot be."""
-    if not text.strip():
-        raise ConfigError("--save is empty: give the file to write, for example --save result.json")
-    target = Path(text).expanduser()
-    if target.is_dir():
-        raise ConfigError(f"--save {text!r} is a directory: name a file in it, for example {target / 'result.json'}")
-    parent = target.parent
-    if not parent.is_dir():
-        what = "is not a directory" if parent.exists() else "does not exist"
-        raise ConfigError(f"--save {text!r}: {parent} {what}: create it first or save the result elsewhere")
-    if not os.access(parent, os.W_OK):
-        raise ConfigError(f"--save {text!r}: {parent} is not writable by this user: save the result elsewhere")
-    return target

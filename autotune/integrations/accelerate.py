@@ -246,7 +246,7 @@ def tune_accelerator(
         if check_gradients and window > 1:
             check = gradients.check_gradients(
                 accelerate_gradients(accelerator, workload, unwrapped),
-                micro=min(gradients.CHECK_MICRO_BATCH, micro),
+                micro=micro,
                 steps=window,
                 precision=precision,
             )

@@ -98,8 +98,10 @@ def rows(batch: Any, start: int, stop: int, total: int) -> Any:
 
 
 def check_gradients(window: WindowGradients, *, micro: int, steps: int, precision: str) -> GradientCheck:
-    """Run the window and the whole batch through `window` and compare their gradients."""
+    """Run the window and the whole batch through `window` and compare their gradients, with
+    micro-batches of the plan's `micro` samples or CHECK_MICRO_BATCH, whichever is fewer."""
     started = time.perf_counter()
+    micro = min(CHECK_MICRO_BATCH, micro)
     tolerance = TOLERANCE.get(precision, TOLERANCE["fp32"])
     fields: dict[str, Any] = {"micro_batch": micro, "accumulation_steps": steps, "tolerance": tolerance}
     try:

@@ -299,7 +299,7 @@ class AutotuneBatchSize(pl.Callback):
                 if self.check_gradients and accumulation > 1:
                     check = gradients.check_gradients(
                         lightning_gradients(trainer, module, make_batch),
-                        micro=min(gradients.CHECK_MICRO_BATCH, micro),
+                        micro=micro,
                         steps=accumulation,
                         precision=precision,
                     )

@@ -335,7 +335,7 @@ def tune_trainer(
         if check_gradients and accumulation > 1:
             check = gradients.check_gradients(
                 trainer_gradients(trainer, dataset),
-                micro=min(gradients.CHECK_MICRO_BATCH, micro),
+                micro=micro,
                 steps=accumulation,
                 precision=_precision(trainer),
             )

@@ -174,14 +174,7 @@ def migrate(engine: Engine) -> None:
             with conn.begin():
                 if url.get_backend_name() == "postgresql":
                     conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _LOCK_KEY})
-                tables = set(inspect(conn).get_table_names())
-                current = None
-                if "alembic_version" in tables:
-                    current = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
-                if url.get_backend_name() == "sqlite":
-                    version = conn.exec_driver_sql("PRAGMA user_version").scalar() or 0
-                    if version > SCHEMA_VERSION:
-                        raise StoreError(_newer(url, f"schema version {version}"))
+                tables, current = _written_by(conn, url)
                 if current is not None and current not in known:
                     raise StoreError(_newer(url, f"revision {current}"))
                 config = Config()
@@ -197,6 +190,20 @@ def migrate(engine: Engine) -> None:
         raise StoreError(f"cannot prepare the database {describe(url)}: {reason(exc)}") from None
 
 
+def _written_by(conn: Connection, url: URL) -> tuple[set[str], str | None]:
+    """The database's tables and Alembic revision (None: none recorded); StoreError when a SQLite
+    file says a newer autotune wrote it (its user_version)."""
+    tables = set(inspect(conn).get_table_names())
+    current = None
+    if "alembic_version" in tables:
+        current = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+    if url.get_backend_name() == "sqlite":
+        version = conn.exec_driver_sql("PRAGMA user_version").scalar() or 0
+        if version > SCHEMA_VERSION:
+            raise StoreError(_newer(url, f"schema version {version}"))
+    return tables, current
+
+
 def refuse_newer(engine: Engine) -> None:
     """Raise StoreError when the database was written by a newer autotune; reads only, so that
     `autotune serve` can say so (exit 2) before it listens, and migrate afterwards."""
@@ -204,14 +211,7 @@ def refuse_newer(engine: Engine) -> None:
     known = {rev.revision for rev in ScriptDirectory(str(MIGRATIONS)).walk_revisions()}
     try:
         with engine.connect() as conn:
-            tables = set(inspect(conn).get_table_names())
-            current = None
-            if "alembic_version" in tables:
-                current = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
-            if url.get_backend_name() == "sqlite":
-                version = conn.exec_driver_sql("PRAGMA user_version").scalar() or 0
-                if version > SCHEMA_VERSION:
-                    raise StoreError(_newer(url, f"schema version {version}"))
+            _, current = _written_by(conn, url)
     except SQLAlchemyError as exc:
         raise StoreError(f"cannot read the database {describe(url)}: {reason(exc)}") from None
     if current is not None and current not in known:
