@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
@@ -24,15 +25,18 @@ from tests.serving import ROOT
 AUTOTUNE = str(Path(sys.executable).parent / "autotune")
 
 
-def test_a_leaking_loss_fails_the_trial_with_the_bytes_per_step() -> None:
-    runner = TrialRunner(leak_workloads.leak(), BudgetDevice(4 << 20))
+@pytest.mark.parametrize("allocator", ["exact", "cuda"], ids=["exact-counting", "allocator-model"])
+def test_a_leaking_loss_fails_the_trial_with_the_bytes_per_step(allocator: Literal["exact", "cuda"]) -> None:
+    # With the model of CUDA's caching allocator too: trials there run to the allocator's steady
+    # state, and the leak is read from the live bytes all the same.
+    runner = TrialRunner(leak_workloads.leak(), BudgetDevice(4 << 20, allocator=allocator))
     with pytest.raises(LeakError) as caught:
         runner(4)
     # Each step keeps one float32[4, 10] output: 160 bytes, one 512-byte block on the budget device.
     assert caught.value.bytes_per_step == 512
     assert "512 B per step" in str(caught.value)
     assert "float32[4, 10], grad_fn AddmmBackward0" in str(caught.value)
-    assert runner.steps_run == LEAK_EVIDENCE_STEPS
+    assert runner.steps_run == LEAK_EVIDENCE_STEPS  # no settle step past the evidence: the leak ends the trial
 
 
 def test_a_cache_built_once_is_not_a_leak() -> None:
