@@ -26,6 +26,7 @@ from autotune.errors import DeviceBusyError
 from tests.serving import ROOT, alive, finished_probe, free_port, start_server, wait_for
 
 PROBE_MODULES = ("autotune.engine.zygote", "autotune.engine.isolation", "autotune.engine.confirm")
+FORK_SERVER = "-m autotune.engine.zygote"
 
 
 def _env() -> dict[str, str]:
@@ -253,7 +254,9 @@ class ProbeWatch:
                     if owner is None:
                         if alive(int(entry.name)) and _parent(int(entry.name)) == 1:
                             self.strays.append(command)
-                    else:
+                    # A fork server kept idle between its process's probes runs nothing: its forked
+                    # children (the same command line, a server for a parent) are the runs.
+                    elif FORK_SERVER not in command or FORK_SERVER in _cmdline(_parent(int(entry.name))):
                         probing.add(owner)
             self.seen |= probing
             if len(probing) > 1:

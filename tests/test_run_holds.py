@@ -15,10 +15,10 @@ from autotune.engine.confirm import probe_and_confirm
 from autotune.engine.probe import ProbeRequest
 from autotune.results import ProbeResult
 
-# (workload, budget, effective batch): each effective batch needs accumulation there.
-# (An mlp case ran here too; the suite's time budget keeps the transformer and the convnet, which
-# cover the same loop with more kinds of activation.)
-CASES = [("gpt", "128MiB", 100), ("cnn", "64MiB", 64)]
+# (workload, budget, effective batch): the effective batch needs accumulation there.
+# (mlp and gpt cases ran here too; the suite's time budget keeps the convnet. The transformer's
+# answer runs in a plain 20-step loop, and one more sample runs out, in tests/test_cuda_truth.py.)
+CASES = [("cnn", "64MiB", 64)]
 
 
 def _run_plan(tmp_path: Path, result: ProbeResult, micro_batches: list[int], weights: list[float]) -> dict:  # type: ignore[type-arg]

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -132,3 +133,69 @@ def test_when_the_server_dies_the_next_child_is_a_new_interpreter() -> None:
         os.kill(int(first["ppid"]), signal.SIGKILL)  # the server
         second, code, _ = _run(["0"], env)
     assert code == 0 and second["ppid"] == os.getpid() and not second["preloaded"]
+
+
+# Between probes ----------------------------------------------------------------------------------
+def _probe_in_a_thread(env: dict[str, str]) -> dict[str, object]:
+    """One probe's block in a thread of its own, which then ends (as a service's job threads do)."""
+    said: list[dict[str, object]] = []
+
+    def probe() -> None:
+        with zygote.serving():
+            said.append(_run(["0"], env)[0])
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    thread.join(timeout=120)
+    assert said, "the probe's thread did not finish"
+    return said[0]
+
+
+def test_the_next_probe_of_the_process_forks_from_the_same_server_unless_its_environment_changed() -> None:
+    zygote.close_idle()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    first = _probe_in_a_thread(env)
+    second = _probe_in_a_thread({**env, "ZYGOTE_TEST_MARKER": "second"})
+    # The first probe's thread has ended: the server it took lives on, idle, for the next probe.
+    assert first["preloaded"] and first["ppid"] == second["ppid"] != os.getpid()
+    assert second["marker"] == "second"  # each child still gets the environment of its call
+    os.environ["AUTOTUNE_ZYGOTE_TEST"] = "changed"  # read by nothing, but a server's imports may read AUTOTUNE_*
+    try:
+        other = _probe_in_a_thread(env)
+    finally:
+        del os.environ["AUTOTUNE_ZYGOTE_TEST"]
+    again = _probe_in_a_thread(env)
+    assert other["ppid"] != first["ppid"] and other["preloaded"]
+    assert again["ppid"] == first["ppid"]  # the first one was kept for its environment
+
+
+def _interrupted_probe(write_end: int, read_end: int) -> tuple[int, int]:
+    """A probe that an interrupt ends while its child runs: (its server, its child)."""
+    started: list[int] = []
+    with zygote.serving():
+        child, server = zygote.spawn(
+            ["tests.zygote_child", str(write_end), "sleep"],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            pass_fds=(write_end,),
+        )
+        os.close(write_end)
+        assert child.stdin is not None
+        child.stdin.close()
+        with os.fdopen(read_end) as answer:
+            started += [server, int(json.loads(answer.readline())["pid"])]
+        raise KeyboardInterrupt(started)
+
+
+def test_a_probe_that_ends_with_its_child_running_takes_its_server_and_child_down() -> None:
+    read_end, write_end = os.pipe()
+    with pytest.raises(KeyboardInterrupt) as interrupt:
+        _interrupted_probe(write_end, read_end)
+    server, child = interrupt.value.args[0]
+    deadline = time.monotonic() + 30
+    while not (_gone(server) and _gone(child)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(server) and _gone(child)
+    assert server not in [kept.pid for _, kept in zygote._idle]

@@ -11,19 +11,31 @@ make forking unsafe, and never imports a workload: the child does, as a new proc
 own session, stdin, stdout and stderr as the caller asked; it runs the same entry point
 (`python -m autotune.engine.isolation` / `confirm`) as a spawned interpreter would.
 
-`serving()` marks a probe's calls; `spawn` forks from its server (started at the first child) or,
+`serving()` marks a probe's calls; `spawn` forks from its server (taken at the first child) or,
 without one, starts an interpreter. A forked child is a `Forked`, which the callers use as they use
 a `subprocess.Popen`: pid, stdin, stderr, poll, wait, kill, communicate. The server sends each
-child's exit status back on its socket. It serves one child at a time (a probe's runs are
-sequential), exits when its stdin reaches end of file (the caller has gone, however it went) or
-its socket closes, and kills a child still running then, so no run outlives its caller. A killed
-caller takes the server down at once (PR_SET_PDEATHSIG, armed before its imports), and the server
-its children (the same signal): nothing of a probe is left a moment after kill -9 of its process. A
-server that cannot start, or dies, makes `spawn` start a new interpreter instead.
+child's exit status back on its socket. It serves one probe at a time (a probe's runs are
+sequential; concurrent probes take servers of their own), exits when its stdin reaches end of file
+(the caller has gone, however it went) or its socket closes, and kills a child still running then,
+so no run outlives its caller. A killed caller takes the server down at once (PR_SET_PDEATHSIG,
+armed before its imports), and the server its children (the same signal): nothing of a probe is
+left a moment after kill -9 of its process. A server that cannot start, or dies, makes `spawn`
+start a new interpreter instead.
+
+A server outlives its probe: at the probe's end it waits, idle, for the next probe of this process
+(a service answers job after job), which takes it when it was started for the same environment
+(`_key`: the interpreter, `sys.path` and the variables imports read), so a later probe starts no
+interpreter. Its children see nothing of that history: the server only imports, warms up and forks,
+never runs a workload, so its hundredth child starts from the state its first did. A probe that
+ends with a child still running (an error, an interrupt) closes its server instead. Servers are
+started by one thread kept for the process (`_starter`): Linux sends the parent-death signal when
+the *thread* that started a process ends, and a service's probes run in threads that come and go.
 """
 
 from __future__ import annotations
 
+import atexit
+import concurrent.futures
 import contextlib
 import fcntl
 import json
@@ -56,7 +68,7 @@ def child_env() -> dict[str, str]:
 
 
 class _Serving:
-    """A probe's claim on a server, started at its first child (a probe may need none)."""
+    """A probe's claim on a server, taken at its first child (a probe may need none)."""
 
     def __init__(self) -> None:
         self.thread = threading.current_thread()  # a probe's runs are sequential, in its thread
@@ -65,9 +77,85 @@ class _Serving:
 
     def get(self) -> Zygote | None:
         if self.zygote is None and not self.failed:
-            self.zygote = Zygote._start()
+            self.zygote = _take()
             self.failed = self.zygote is None
         return self.zygote
+
+
+# Servers between probes --------------------------------------------------------------------------
+IDLE_SERVERS = 2  # kept at most; each holds an interpreter with torch imported (some 300 MB)
+
+_idle: list[tuple[str, Zygote]] = []  # (key, server), the most recently used last
+_idle_lock = threading.Lock()
+_starter: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+# The variables a server's imports and warm-up may read (torch's, its libraries', ours, the
+# interpreter's); a child gets its whole environment anew, so only these can make an old server's
+# children differ from a new one's. AUTOTUNE_LOCK_HELD is read by children alone.
+_READ_AT_IMPORT = ("AUTOTUNE_", "TORCH", "PYTORCH_", "CUDA", "NVIDIA_", "NCCL_", "OMP_", "MKL_", "KMP_", "GOMP_",
+                   "OPENBLAS_", "LD_", "PYTHON", "TMP", "TEMP", "HOME", "XDG_", "TRITON_")  # fmt: skip
+
+
+def _key(env: dict[str, str]) -> str:
+    """What a server was started for: the interpreter, and what of the environment its imports may
+    read (the caller's `sys.path` among it, as PYTHONPATH)."""
+    from autotune.engine import lock
+
+    read = {k: v for k, v in env.items() if k.startswith(_READ_AT_IMPORT) and k != lock.HELD_ENV}
+    return json.dumps([sys.executable, sorted(read.items())])
+
+
+def _take() -> Zygote | None:
+    """An idle server started for this environment, else a new one (None when none can start)."""
+    key = _key(child_env())
+    with _idle_lock:
+        found = next((i for i, (k, z) in enumerate(_idle) if k == key and z.alive()), None)
+        if found is not None:
+            return _idle.pop(found)[1]
+    global _starter
+    with _idle_lock:
+        if _starter is None:
+            _starter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="autotune-zygote")
+        starter = _starter
+    zygote = starter.submit(Zygote._start).result()
+    if zygote is not None:
+        zygote.key = key
+    return zygote
+
+
+def _give_back(zygote: Zygote) -> None:
+    """Keep a server whose probe ended with no child running for the next probe; close the rest."""
+    if not zygote.idle():
+        zygote.close()
+        return
+    with _idle_lock:
+        _idle.append((zygote.key, zygote))
+        surplus = _idle[:-IDLE_SERVERS] if len(_idle) > IDLE_SERVERS else []
+        del _idle[: len(surplus)]
+    for _, old in surplus:
+        old.close()
+
+
+def close_idle() -> None:
+    """End the servers kept between probes (at exit; a test that wants the next probe to start one)."""
+    with _idle_lock:
+        servers = [z for _, z in _idle]
+        _idle.clear()
+    for zygote in servers:
+        zygote.close()
+
+
+def _forget_idle() -> None:
+    # A fork of this process (a DataLoader's worker, a user's multiprocessing) shares the servers'
+    # sockets: it must start servers of its own, and never close the parent's.
+    global _starter
+    _idle.clear()
+    _starter = None
+
+
+atexit.register(close_idle)
+os.register_at_fork(after_in_child=_forget_idle)
 
 
 _current: list[_Serving] = []
@@ -85,13 +173,18 @@ def serving() -> Iterator[None]:
     claim = _Serving()
     with _current_lock:
         _current.append(claim)
+    ended = False
     try:
         yield
+        ended = True
     finally:
         with _current_lock:
             _current.remove(claim)
         if claim.zygote is not None:
-            claim.zygote.close()
+            if ended:
+                _give_back(claim.zygote)
+            else:  # an error or an interrupt may have left a child running: end it with its server
+                claim.zygote.close()
 
 
 def spawn(
@@ -186,7 +279,9 @@ class Zygote:
         self._process, self._sock = process, sock
         self._lock = threading.Lock()
         self._exits: dict[int, int] = {}
+        self._started: set[int] = set()  # the children it forked for us
         self._buffer = b""
+        self.key = ""  # the environment it was started for (`_key`)
 
     @classmethod
     def _start(cls) -> Zygote | None:
@@ -211,6 +306,25 @@ class Zygote:
     @property
     def pid(self) -> int:
         return self._process.pid
+
+    def alive(self) -> bool:
+        return self._process.poll() is None
+
+    def idle(self) -> bool:
+        """Alive, with every child it forked for us ended. A child whose end the caller saw (its pipe
+        closed) may not be reported yet: the server looks every 0.1 s, so this waits up to 2 s."""
+        deadline = time.monotonic() + 2.0
+        with self._lock:
+            try:
+                while self._started - self._exits.keys():
+                    message = self._message(max(0.0, deadline - time.monotonic()))
+                    if message is None:
+                        return False
+                    if "exit" in message:
+                        self._exits[int(message["pid"])] = int(message["exit"])
+            except OSError:
+                return False
+        return self.alive()
 
     def close(self) -> None:
         """End the server (it kills a child still running), and reap it."""
@@ -272,6 +386,7 @@ class Zygote:
             for fd in ours:
                 os.close(fd)
             return None
+        self._started.add(pid)
         files = iter(ours)
         child_stdin = os.fdopen(next(files), "wb") if stdin == subprocess.PIPE else None
         if stdout == subprocess.PIPE:
