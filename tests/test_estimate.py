@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(
-    ("name", "mib", "precision"), [("gpt", 96, None), ("cnn", 64, None), ("mlp", 64, None), ("gpt", 96, "bf16")]
+    ("name", "mib", "precision"), [("gpt", 128, None), ("cnn", 64, None), ("mlp", 64, None), ("gpt", 128, "bf16")]
 )
 def test_estimate_with_no_overhead_equals_the_budget_device_probe(name: str, mib: int, precision: str | None) -> None:
     guess = estimate(name, mib * MIB, overhead_bytes=0, precision=precision)
