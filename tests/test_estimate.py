@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import shlex
 import subprocess
@@ -16,10 +17,12 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from autotune.engine.estimate import CUDA_OVERHEAD_BYTES, EstimateResult, estimate, fake_model
 from autotune.engine.probe import ProbeRequest, run_probe
 from autotune.errors import ConfigError, WorkloadError
+from autotune.units import parse_size
 from autotune.workloads.workload import Workload
 from tests.docs_text import console_commands, page
 
 MIB = 2**20
+CARD = parse_size("79.2GiB")  # an H100's memory, as docs/estimate.md's table estimates it
 AUTOTUNE = str(Path(sys.executable).parent / "autotune")
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,10 +54,16 @@ def test_fp16_runs_under_fake_tensors_despite_the_scalers_item() -> None:
     assert guess.precision == "fp16" and guess.max_micro_batch > 13  # half the activations of fp32
 
 
+@functools.cache
+def _card_sized(name: str, precision: str) -> EstimateResult:
+    """An estimate at docs/estimate.md's 79.2 GiB (each takes seconds: made once for the tests below)."""
+    return estimate(name, CARD, precision=precision)
+
+
 def test_large_memory_takes_seconds_and_the_curve_brackets_the_answer() -> None:
-    guess = estimate("gpt", 80 * 1024 * MIB)
+    guess = _card_sized("gpt", "fp32")
     assert guess.overhead_bytes == CUDA_OVERHEAD_BYTES
-    assert guess.limit_bytes == 80 * 1024 * MIB - int(0.05 * 80 * 1024 * MIB) - CUDA_OVERHEAD_BYTES
+    assert guess.limit_bytes == CARD - int(0.05 * CARD) - CUDA_OVERHEAD_BYTES
     assert guess.max_micro_batch > 1000
     assert guess.max_micro_batch is not None
     single = guess.max_micro_batch_without_accumulation
@@ -161,8 +170,6 @@ def test_the_docs_estimate_table_reproduces() -> None:
     (fake tensors: the same on any machine with this torch): `max_micro_batch`, the accumulating
     loop's answer, and `max_micro_batch_without_accumulation`; the probe column is an H100
     measurement, and the ratio is the first estimate's to it. Each row is estimated again here."""
-    from autotune.units import parse_size
-
     text = page("docs/estimate.md")
     header = (
         "| workload | probe on the H100 | `autotune estimate --memory 79.2GiB` | estimate vs probe "
@@ -173,7 +180,7 @@ def test_the_docs_estimate_table_reproduces() -> None:
     for line in table:
         workload, probed, estimated, ratio, single = (cell.strip() for cell in line.strip("|").split("|"))
         name, precision = workload.split()
-        guess = estimate(name, parse_size("79.2GiB"), precision=precision)
+        guess = _card_sized(name, precision)
         assert guess.max_micro_batch == int(estimated.replace(",", "")), line
         assert guess.max_micro_batch_without_accumulation == int(single.replace(",", "")), line
         change = (guess.max_micro_batch / int(probed.replace(",", "")) - 1) * 100

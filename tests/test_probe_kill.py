@@ -36,10 +36,11 @@ def _confirming(marker: Path, timeout: float = 180) -> int:
 
 
 def _kill_and_watch(victim: int, family: set[int]) -> list[str]:
-    """kill -9 `victim`; the processes of `family` still alive GRACE seconds later, by command."""
+    """kill -9 `victim`; the processes of it and `family` still alive GRACE seconds later, by command.
+    (The victim too: its device lock is free only once its exit has closed its files.)"""
     os.kill(victim, signal.SIGKILL)
     deadline = time.monotonic() + GRACE
-    left = set(family)
+    left = {victim, *family}
     while left and time.monotonic() < deadline:
         left = {pid for pid in left if alive(pid)}
         time.sleep(0.01)
