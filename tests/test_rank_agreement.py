@@ -246,61 +246,71 @@ def test_the_agreement_with_one_rank(tmp_path: Path) -> None:
         OOMGuard(nn.Linear(2, 1), agree=True)._ranks()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        model = _model()
-        model.register_parameter("unused", nn.Parameter(torch.zeros(3)))
-        ddp = DistributedDataParallel(model)
-        assert OOMGuard(ddp)._ranks() is None  # one rank, not asked: nothing to agree
-        agreement = OOMGuard(ddp, agree=True)._ranks()
-        assert isinstance(agreement, _RankAgreement) and agreement.flags.device.type == "cpu"
-        verdict = agreement.agree(ran_out=True, failed=False, current=8)
-        assert (verdict.oom_rank, verdict.error_rank, verdict.size) == (0, None, 4)
-        assert agreement.agree(ran_out=True, failed=False, current=1).size == 0  # nothing left to shrink
-        verdict = agreement.agree(ran_out=False, failed=True, current=8)
-        assert (verdict.oom_rank, verdict.error_rank) == (None, 0)
-        verdict = agreement.agree(ran_out=False, failed=False, current=8)
-        assert (verdict.oom_rank, verdict.error_rank, verdict.size) == (None, None, 8)
-
-        # The guard: window [4, 8] on a budget for micro-batches of 4 shrinks through the agreement.
-        x, y = torch.cat([b[0] for b in _data(0)[:2]])[:12], torch.cat([b[1] for b in _data(0)[:2]])[:12]
-        batches = [(x[:4], y[:4]), (x[4:], y[4:])]
-        limit = _peak(model, [(x[i : i + 4], y[i : i + 4]) for i in (0, 4, 8)]) + 1024
-        nn.functional.mse_loss(model(x), y).backward()
-        expected = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-        model.zero_grad(set_to_none=True)
-        device = BudgetDevice(limit)
-        device.track([*model.parameters(), x, y])
-        guard = OOMGuard(ddp, agree=True)
-
-        def micro_step(step):  # type: ignore[no-untyped-def]
-            step.scale(nn.functional.mse_loss(ddp(step.batch[0]), step.batch[1])).backward()
-
-        with device.active():
-            for window in guard.windows(batches, 2):
-                window.run(micro_step)
-        assert [(e.old_micro_batch, e.new_micro_batch, e.ran_out) for e in guard.events] == [(8, 4, True)]
-        for name, p in model.named_parameters():
-            if name == "unused":
-                assert p.grad is None  # no rank used it: as DDP leaves it
-            else:
-                torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-7)
-        model.zero_grad(set_to_none=True)
-
-        class Sharded(nn.Linear):  # stands in for FSDP: syncs inside backward
-            def no_sync(self) -> None: ...
-
-        with pytest.raises(ConfigError, match="agree=False"):
-            OOMGuard(Sharded(2, 1), agree=True)._ranks()
-        # FSDP2 has no no_sync: its DTensor parameters tell (its backward reduce-scatters).
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        sharded = fully_shard(nn.Sequential(nn.Linear(2, 2)), mesh=init_device_mesh("cpu", (1,)))
-        with pytest.raises(ConfigError, match="FSDP2"):
-            OOMGuard(sharded, agree=True)._ranks()
-        with pytest.raises(ConfigError, match="static_graph"):
-            OOMGuard(DistributedDataParallel(nn.Linear(2, 1), static_graph=True), agree=True)._ranks()
+        _agree_with_one_rank()
+        # DDP's reducer (in the helper's frame, gone now) and its work go before the group does: the
+        # group's last reference dropped with the reducer's joins gloo's threads while holding the GIL,
+        # which a thread still freeing a work item (it holds our budget device's mode) waits for.
+        gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _agree_with_one_rank() -> None:
+    """The test's body, in a frame of its own: its DDP objects are gone when it returns."""
+    model = _model()
+    model.register_parameter("unused", nn.Parameter(torch.zeros(3)))
+    ddp = DistributedDataParallel(model)
+    assert OOMGuard(ddp)._ranks() is None  # one rank, not asked: nothing to agree
+    agreement = OOMGuard(ddp, agree=True)._ranks()
+    assert isinstance(agreement, _RankAgreement) and agreement.flags.device.type == "cpu"
+    verdict = agreement.agree(ran_out=True, failed=False, current=8)
+    assert (verdict.oom_rank, verdict.error_rank, verdict.size) == (0, None, 4)
+    assert agreement.agree(ran_out=True, failed=False, current=1).size == 0  # nothing left to shrink
+    verdict = agreement.agree(ran_out=False, failed=True, current=8)
+    assert (verdict.oom_rank, verdict.error_rank) == (None, 0)
+    verdict = agreement.agree(ran_out=False, failed=False, current=8)
+    assert (verdict.oom_rank, verdict.error_rank, verdict.size) == (None, None, 8)
+
+    # The guard: window [4, 8] on a budget for micro-batches of 4 shrinks through the agreement.
+    x, y = torch.cat([b[0] for b in _data(0)[:2]])[:12], torch.cat([b[1] for b in _data(0)[:2]])[:12]
+    batches = [(x[:4], y[:4]), (x[4:], y[4:])]
+    limit = _peak(model, [(x[i : i + 4], y[i : i + 4]) for i in (0, 4, 8)]) + 1024
+    nn.functional.mse_loss(model(x), y).backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    device = BudgetDevice(limit)
+    device.track([*model.parameters(), x, y])
+    guard = OOMGuard(ddp, agree=True)
+
+    def micro_step(step):  # type: ignore[no-untyped-def]
+        step.scale(nn.functional.mse_loss(ddp(step.batch[0]), step.batch[1])).backward()
+
+    with device.active():
+        for window in guard.windows(batches, 2):
+            window.run(micro_step)
+    assert [(e.old_micro_batch, e.new_micro_batch, e.ran_out) for e in guard.events] == [(8, 4, True)]
+    for name, p in model.named_parameters():
+        if name == "unused":
+            assert p.grad is None  # no rank used it: as DDP leaves it
+        else:
+            torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-7)
+    model.zero_grad(set_to_none=True)
+
+    class Sharded(nn.Linear):  # stands in for FSDP: syncs inside backward
+        def no_sync(self) -> None: ...
+
+    with pytest.raises(ConfigError, match="agree=False"):
+        OOMGuard(Sharded(2, 1), agree=True)._ranks()
+    # FSDP2 has no no_sync: its DTensor parameters tell (its backward reduce-scatters).
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    sharded = fully_shard(nn.Sequential(nn.Linear(2, 2)), mesh=init_device_mesh("cpu", (1,)))
+    with pytest.raises(ConfigError, match="FSDP2"):
+        OOMGuard(sharded, agree=True)._ranks()
+    with pytest.raises(ConfigError, match="static_graph"):
+        OOMGuard(DistributedDataParallel(nn.Linear(2, 1), static_graph=True), agree=True)._ranks()
 
 
 if __name__ == "__main__":
