@@ -59,18 +59,24 @@ def test_without_a_server_a_child_is_a_new_interpreter() -> None:
     assert code == 0 and said["ppid"] == os.getpid() and not said["preloaded"]
 
 
+def _sleeping_child(write_end: int, *, stderr: int) -> tuple[subprocess.Popen[bytes] | zygote.Forked, int]:
+    """A child that says who it is on `write_end` (closed here once passed) and then sleeps."""
+    spawned = zygote.spawn(
+        ["tests.zygote_child", str(write_end), "sleep"],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=stderr,
+        pass_fds=(write_end,),
+    )
+    os.close(write_end)
+    return spawned
+
+
 def test_a_killed_child_reports_its_signal() -> None:
     read_end, write_end = os.pipe()
     with zygote.serving():
-        child, _ = zygote.spawn(
-            ["tests.zygote_child", str(write_end), "sleep"],
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            pass_fds=(write_end,),
-        )
-        os.close(write_end)
+        child, _ = _sleeping_child(write_end, stderr=subprocess.PIPE)
         with pytest.raises(subprocess.TimeoutExpired):
             child.communicate(b"", timeout=0.5)
         child.kill()
@@ -173,15 +179,7 @@ def _interrupted_probe(write_end: int, read_end: int) -> tuple[int, int]:
     """A probe that an interrupt ends while its child runs: (its server, its child)."""
     started: list[int] = []
     with zygote.serving():
-        child, server = zygote.spawn(
-            ["tests.zygote_child", str(write_end), "sleep"],
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            pass_fds=(write_end,),
-        )
-        os.close(write_end)
+        child, server = _sleeping_child(write_end, stderr=subprocess.DEVNULL)
         assert child.stdin is not None
         child.stdin.close()
         with os.fdopen(read_end) as answer:
