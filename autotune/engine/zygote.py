@@ -108,13 +108,12 @@ def _key(env: dict[str, str]) -> str:
 
 def _take() -> Zygote | None:
     """An idle server started for this environment, else a new one (None when none can start)."""
+    global _starter
     key = _key(child_env())
     with _idle_lock:
         found = next((i for i, (k, z) in enumerate(_idle) if k == key and z.alive()), None)
         if found is not None:
             return _idle.pop(found)[1]
-    global _starter
-    with _idle_lock:
         if _starter is None:
             _starter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="autotune-zygote")
         starter = _starter
