@@ -387,6 +387,49 @@ def test_reset_peak_makes_the_peaks_the_current_values() -> None:
     assert (stats.peak_allocated_bytes, stats.peak_reserved_bytes) == (MiB, 2 * MiB)
 
 
+# Existing segments (a trial's start, taken from a memory snapshot) ---------------------------------------
+
+
+def test_a_taken_over_segment_is_reserved_and_its_free_block_serves_the_next_request() -> None:
+    model = CachingAllocatorModel(100 * MiB)
+    base = 0x7F00_0000_0000
+    held = model.add_segment(base, [(4 * MiB, True), (16 * MiB, False)], small=False)
+    model.add_segment(base + 20 * MiB, [(512, True), (2 * MiB - 512, False)], small=True)
+    check_invariants(model)
+    stats = model.stats()
+    assert (stats.reserved_bytes, stats.allocated_bytes, stats.segments) == (22 * MiB, 4 * MiB + 512, 2)
+    assert stats.num_device_alloc == 0  # the real allocator made them, not the model
+    # Best fit takes the cached 16 MiB block (split: more than 1 MiB remains), no new segment.
+    five = model.malloc(5 * MiB)
+    assert model.stats().reserved_bytes == 22 * MiB
+    assert model.layout()[0] == (
+        base,
+        False,
+        [(base, 4 * MiB, held[0]), (base + 4 * MiB, 5 * MiB, five), (base + 9 * MiB, 11 * MiB, None)],
+    )
+    # The held block frees and merges like any other.
+    model.free(held[0])
+    model.free(five)
+    assert blocks(model)[0] == [(20 * MiB, False)]
+    # A miss makes a segment of the model's own, above the real ones.
+    model.malloc(30 * MiB)
+    assert model.layout()[-1][0] >= base + 22 * MiB
+    check_invariants(model)
+
+
+def test_taking_over_merges_free_neighbours_and_refuses_what_it_cannot_hold() -> None:
+    model = CachingAllocatorModel(100 * MiB)
+    (handle,) = model.add_segment(0, [(MiB, False), (MiB, False), (2 * MiB, True)], small=False)
+    assert model.segments() == [(4 * MiB, [(2 * MiB, False), (2 * MiB, True)])]
+    assert model.layout() == [(0, False, [(0, 2 * MiB, None), (2 * MiB, 2 * MiB, handle)])]
+    with pytest.raises(ValueError, match="overlaps"):
+        model.add_segment(3 * MiB, [(2 * MiB, False)], small=False)
+    with pytest.raises(ValueError, match="multiples of 512"):
+        model.add_segment(10 * MiB, [(1000, True)], small=True)
+    with pytest.raises(ValueError, match="expandable"):
+        CachingAllocatorModel(100 * MiB, EXPANDABLE).add_segment(0, [(2 * MiB, False)], small=True)
+
+
 # Expandable segments -----------------------------------------------------------------------------------
 
 

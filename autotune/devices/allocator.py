@@ -465,18 +465,80 @@ class CachingAllocatorModel:
     def segments(self) -> list[tuple[int, list[tuple[int, bool]]]]:
         """Per segment, in address order: (its size, [(block size, allocated?) in address order]).
         An expandable segment shows each contiguous mapped range, as memory_snapshot() does."""
+        result = []
+        for _, _, parts in self.layout():
+            sizes = [(size, handle is not None) for _, size, handle in parts]
+            result.append((sum(size for size, _ in sizes), sizes))
+        return result
+
+    def layout(self) -> list[tuple[int, bool, list[tuple[int, int, int | None]]]]:
+        """`segments()` with addresses, as torch.cuda.memory_snapshot() lists them: per segment in
+        address order, (its address, small pool?, [(block address, size, the allocated block's
+        handle or None for a free one)])."""
+        handle_of = {id(b): h for h, b in self._handles.items() if b is not None}
         blocks = [b for b in self._handles.values() if b is not None]
         blocks += self._free_blocks.values()
         heads = sorted((b for b in blocks if b.prev is None or not b.prev.mapped), key=lambda b: b.addr)
         result = []
         for head in heads:
-            parts: list[tuple[int, bool]] = []
+            parts: list[tuple[int, int, int | None]] = []
             b: _Block | None = head
             while b is not None and b.mapped:
-                parts.append((b.size, b.allocated))
+                parts.append((b.addr, b.size, handle_of.get(id(b))))
                 b = b.next
-            result.append((sum(size for size, _ in parts), parts))
+            result.append((head.addr, head.pool.small, parts))
         return result
+
+    def add_segment(self, address: int, blocks: list[tuple[int, bool]], *, small: bool) -> list[int]:
+        """Take over a segment that the real allocator already holds (a trial's start, as a memory
+        snapshot shows it): at `address`, in the small or the large pool, its blocks in address order
+        as (size, allocated?). Returns a handle for each allocated block, in order, for `free`.
+
+        The segment counts as reserved from now on, as if the model had made it, but not as a
+        cudaMalloc of the model's (num_device_alloc): the counters say what the model did. Adjacent
+        free blocks merge, as free_block would have merged them. Only cudaMalloc'd segments: an
+        expandable segment's unmapped rest is not in a snapshot."""
+        if self._expandable:
+            raise ValueError("an expandable-segments model cannot take over existing segments")
+        if not blocks or any(size <= 0 or size % K_MIN_BLOCK_SIZE for size, _ in blocks):
+            raise ValueError(f"a segment's blocks must be positive multiples of {K_MIN_BLOCK_SIZE} B, got {blocks}")
+        total = sum(size for size, _ in blocks)
+        for start, _, parts in self.layout():
+            end = parts[-1][0] + parts[-1][1]
+            if address < end and start < address + total:
+                raise ValueError(f"a segment at {address:#x} of {total} B overlaps the one at {start:#x}")
+        pool = self._small if small else self._large
+        handles: list[int] = []
+        prev: _Block | None = None
+        addr = address
+        for size, allocated in blocks:
+            if prev is not None and not allocated and not prev.allocated:
+                self._remove_free(prev)
+                prev.size += size
+                self._insert_free(prev)
+                addr += size
+                continue
+            block = _Block(size, addr, pool, None)
+            block.prev = prev
+            if prev is not None:
+                prev.next = block
+            if allocated:
+                block.allocated = True
+                self._allocated += size
+                handles.append(self._next_handle)
+                self._handles[self._next_handle] = block
+                self._next_handle += 1
+            else:
+                self._insert_free(block)
+            prev = block
+            addr += size
+        self._reserved += total
+        self._segments += 1
+        self._peak_allocated = max(self._peak_allocated, self._allocated)
+        self._peak_reserved = max(self._peak_reserved, self._reserved)
+        # The model's own segments go above every real one: addresses only break ties.
+        self._next_address = max(self._next_address, address + total)
+        return handles
 
     # malloc's steps --------------------------------------------------------------------------------
 
