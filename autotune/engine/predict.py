@@ -14,10 +14,24 @@ The answer keeps every guarantee of the plain search.
 On the budget device the timeline also carries each storage's birth, death and raw size, so the
 model can round every storage to the allocator's 512-byte blocks at the predicted size instead of
 extrapolating rounded sums (which is off by a block or two for models whose per-sample tensors
-are small, e.g. integer targets). On CUDA a dispatch mode reads `torch.cuda.memory_allocated()`
-after each op; the cap there applies to reserved memory (allocated plus the caching allocator's
-rounding and fragmentation), so the first guess is run as a trial and the allocated/reserved ratio
-it measured, at the scale of the answer, refines the guess before the verification.
+are small, e.g. integer targets). With its model of CUDA's caching allocator it also carries the
+order of those births and deaths and the model as the trial found it, and `ReplayModel` replays
+them at each size to predict the reserved peak, on which the cap bites.
+
+On CUDA the timeline trials record the caching allocator's own history
+(`torch.cuda.memory._record_memory_history`, a `_snapshot()` before and after the trial), and
+`parse_snapshots` turns it into the same timeline: each allocation's requested size, birth and
+death, placed in the op that made it by the allocator's counts after each op, and a model of the
+allocator built to the segments the first snapshot shows; `ReplayModel` then predicts the reserved
+peak there too, if its replay reproduces the reserved peak each trial's segments showed. Where the
+trace cannot be used (its history overflowed, expandable segments or a private pool hold memory,
+settings the model does not follow) the timeline is the allocated bytes a dispatch mode reads
+after each op; where the two trials' allocations do not pair, or the replay does not reproduce a
+trial, the prediction is from live bytes alone. Either way the cap applies to reserved memory
+(allocated plus the caching allocator's rounding and fragmentation), so the first guess is run as
+a trial and the allocated/reserved ratio it measured, at the scale of the answer, refines the guess
+before the verification (`Prediction.first_guess` says it ran). The trace's path is tested on the
+budget device's model writing torch's format; it has not yet run on a GPU.
 
 The timeline trials are real trials: they run the same steps under the same limit, so they are
 reported first in the result's trial list, counted in the trial count (`Prediction.probe_trials`
@@ -27,7 +41,8 @@ says how many), and reused when the verification asks for the same size.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator, Sequence
+from bisect import bisect_left
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -37,7 +52,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotune.devices import host
-from autotune.devices.allocator import AllocatorOutOfMemory, CachingAllocatorModel
+from autotune.devices.allocator import DEFAULT_CONFIG, AllocatorConfig, AllocatorOutOfMemory, CachingAllocatorModel
 from autotune.devices.budget import ROUNDING
 from autotune.devices.device import ProbeDevice
 from autotune.devices.host import Site
@@ -82,11 +97,14 @@ class AllocationTrace:
     trial's allocations at another batch size and see what the allocator reserves.
 
     `order`: (0, serial) a storage of the trial born, (1, serial) it died, (2, key) a storage older
-    than the trial died; `blocks`: the model's block of each storage alive when the trial began."""
+    than the trial died; `blocks`: the model's block of each storage alive when the trial began;
+    `reserved_peak`: the reserved peak the trial itself showed, where the device recorded it apart
+    from the model (CUDA's segment events), for the replay to be checked against."""
 
     order: tuple[tuple[int, int], ...]
     allocator: CachingAllocatorModel
     blocks: dict[int, int]
+    reserved_peak: int | None = None
 
 
 @dataclass(frozen=True)
@@ -142,6 +160,203 @@ def parse_events(
     log = StorageLog(base, tuple(born_at), tuple(died_at), tuple(nbytes), tuple(older))
     trace = None if allocator is None else AllocationTrace(tuple(order), allocator[0], allocator[1])
     return Timeline(batch, tuple(ops), tuple(live), log, trace, tuple(sites) if len(sites) == len(ops) else ())
+
+
+# CUDA's allocation trace ----------------------------------------------------------------------
+# An op's name, and the allocations and frees the caching allocator had counted since the trial
+# began when the op returned (memory_stats' allocation.all.allocated and allocation.all.freed).
+OpMark = tuple[str, int, int]
+_OCCUPIED = ("active_allocated", "active_pending_free")  # a block the allocator cannot hand out
+
+
+class UnusableTrace(ValueError):
+    """Snapshots that do not describe a whole trial's allocations; the message says why."""
+
+
+def parse_snapshots(
+    batch: int,
+    before: Mapping[str, Any],
+    after: Mapping[str, Any],
+    *,
+    device: int,
+    limit_bytes: int,
+    total_bytes: int | None = None,
+    config: AllocatorConfig = DEFAULT_CONFIG,
+    ops: Sequence[OpMark] | None = None,
+    sites: Sequence[Site | None] = (),
+) -> Timeline:
+    """Turn two `torch.cuda.memory._snapshot()`s, taken just before and just after a trial while
+    the allocator recorded its history, into the trial's Timeline: each allocation's birth, death
+    and requested size (the StorageLog), their order and the caching allocator's model built to the
+    state the first snapshot shows (the AllocationTrace), so that `ReplayModel` can replay them.
+
+    `ops`: the trial's ops with the allocator's counts after each (`OpMark`), to place each
+    allocation and free in the op that made it; without them each is an op of its own ("alloc",
+    "free"), and two trials pair when their allocations and frees came in the same order. The live
+    bytes after each op are counted as `StorageModel` counts them (each request rounded to 512
+    bytes), so that it reproduces them by construction. Raises UnusableTrace when the snapshots do
+    not hold the whole trial on cuda:`device`, or show what the model cannot follow."""
+    entries = _trial_entries(before, after, device)
+    model = CachingAllocatorModel(limit_bytes, config, total_bytes=total_bytes)
+    held, base, reserved = _take_over(model, before, device)
+    handles = {address: handle for address, (handle, _, _) in held.items()}
+    order: list[tuple[int, int]] = []
+    steps: list[str] = []  # the allocations and frees in trace order: the ops when `ops` is None
+    born: list[tuple[int, int]] = []  # per block of the trial: (its step, its number among the allocations)
+    died: list[tuple[int, int] | None] = []  # (step, number among the frees) of its free, if requested
+    nbytes: list[int] = []
+    older: list[tuple[int, int, int]] = []  # (step, number among the frees, bytes) of blocks older than the trial
+    live: dict[int, int] = {}  # address -> the trial's block there until its free completes
+    allocs = frees = 0
+    peak = reserved
+    # Entries of another stream are kept in the one pool the model has; the real allocator hands a
+    # stream's free blocks only to that stream, so the replay can share blocks it did not: the
+    # reserved peak the segment entries show is what catches that (`ReplayModel.fit`).
+    for entry in entries:
+        action, address, size = entry.get("action"), entry.get("addr", 0), int(entry.get("size", 0))
+        if action == "alloc":
+            if address in live or address in held:
+                raise UnusableTrace(f"an allocation at {address:#x}, where a block is in use")
+            allocs += 1
+            live[address] = len(nbytes)
+            order.append((0, len(nbytes)))
+            born.append((len(steps), allocs))
+            died.append(None)
+            nbytes.append(size)
+            steps.append("alloc")
+        elif action == "free_requested":
+            # Allocated bytes drop here (the live bytes); the block is reused only once its free
+            # completes (the replay's order), which with one stream is the very next entry.
+            frees += 1
+            if address in live and died[live[address]] is None:
+                died[live[address]] = (len(steps), frees)
+            elif address in held and held[address][2]:
+                handle, block, _ = held[address]
+                older.append((len(steps), frees, block))
+                held[address] = (handle, block, False)
+            else:
+                raise UnusableTrace(f"a free of {address:#x}, where no block is allocated")
+            steps.append("free")
+        elif action == "free_completed":
+            if address in live and died[live[address]] is not None:
+                order.append((1, live.pop(address)))
+            elif address in held and not held[address][2]:
+                del held[address]
+                order.append((2, address))
+            else:
+                raise UnusableTrace(f"a completed free of {address:#x}, whose free was not requested")
+        elif action in ("segment_alloc", "segment_map"):
+            # The model makes its own segments: these only say what the trial reserved.
+            reserved += size
+            peak = max(peak, reserved)
+        elif action in ("segment_free", "segment_unmap"):
+            reserved -= size
+        elif action == "oom":
+            raise UnusableTrace("an allocation of the trial ran out of memory, and the trial went on")
+    still = set(live) | set(held)
+    shown = {b["address"] for seg in _segments(after, device) for b in seg["blocks"] if b["state"] in _OCCUPIED}
+    if still != shown:
+        raise UnusableTrace(
+            f"the trace ends with {len(still)} blocks in use and the snapshot after the trial shows {len(shown)}: "
+            "it misses entries"
+        )
+    if ops is None:
+        names = tuple(steps)
+        born_at = [step for step, _ in born]
+        died_at = [-1 if d is None else d[0] for d in died]
+        older_at = [step for step, _, _ in older]
+    else:
+        counted_allocs = [n for _, n, _ in ops]
+        counted_frees = [n for _, _, n in ops]
+        if counted_allocs != sorted(counted_allocs) or counted_frees != sorted(counted_frees):
+            raise UnusableTrace("the allocator's counts went down between two ops")
+        if ops and (counted_allocs[-1] > allocs or counted_frees[-1] > frees):
+            raise UnusableTrace("the allocator counted more allocations or frees than its trace holds")
+        names = tuple(name for name, _, _ in ops)
+        # The op an allocation belongs to: the first whose count includes it (len(ops): after the last).
+        born_at = [bisect_left(counted_allocs, n) for _, n in born]
+        died_at = [-1 if d is None else bisect_left(counted_frees, d[1]) for d in died]
+        older_at = [bisect_left(counted_frees, n) for _, n, _ in older]
+    log = StorageLog(
+        base,
+        tuple(born_at),
+        tuple(died_at),
+        tuple(nbytes),
+        tuple((at, block) for at, (_, _, block) in zip(older_at, older, strict=True)),
+    )
+    counted = StorageModel(
+        batch,
+        batch + 1,  # any other size: at `batch` the sizes are the recorded ones
+        len(names),
+        base,
+        np.asarray(log.born_at, dtype=np.int64),
+        np.asarray(log.died_at, dtype=np.int64),
+        np.asarray(nbytes, dtype=np.int64),
+        np.asarray(nbytes, dtype=np.int64),
+        np.asarray(older_at, dtype=np.int64),
+        np.asarray([block for _, _, block in older], dtype=np.int64),
+    )
+    trace = AllocationTrace(tuple(order), model, handles, reserved_peak=peak)
+    live_bytes = tuple(counted.timeline(batch).tolist())
+    return Timeline(batch, names, live_bytes, log, trace, tuple(sites) if len(sites) == len(names) else ())
+
+
+def _device_trace(snapshot: Mapping[str, Any], device: int) -> list[Mapping[str, Any]]:
+    traces = snapshot.get("device_traces", [])
+    if device >= len(traces):
+        raise UnusableTrace(f"the snapshot has no trace for cuda:{device}")
+    return list(traces[device])
+
+
+def _trial_entries(before: Mapping[str, Any], after: Mapping[str, Any], device: int) -> list[Mapping[str, Any]]:
+    """The entries recorded between the two snapshots. Taking a snapshot appends a 'snapshot' entry
+    to the trace it returns: the trial's entries follow the one ending the first snapshot's trace,
+    until the one ending the second's. Where the ring buffer (max_entries) wrapped during the
+    trial, the first one is no longer where it was, and the trial's first entries are gone."""
+    first, last = _device_trace(before, device), _device_trace(after, device)
+    if not first or first[-1].get("action") != "snapshot" or not last or last[-1].get("action") != "snapshot":
+        raise UnusableTrace("the allocator's history was not recorded around the trial")
+    if len(last) <= len(first) or last[len(first) - 1] != first[-1]:
+        raise UnusableTrace("the allocator's history lost the trial's first entries (more than max_entries)")
+    return last[len(first) : -1]
+
+
+def _segments(snapshot: Mapping[str, Any], device: int) -> list[Mapping[str, Any]]:
+    # Other devices have allocators of their own: nothing of theirs can land on this one.
+    return [seg for seg in snapshot.get("segments", []) if seg.get("device", device) == device]
+
+
+def _take_over(
+    model: CachingAllocatorModel, before: Mapping[str, Any], device: int
+) -> tuple[dict[int, tuple[int, int, bool]], int, int]:
+    """Build `model` to the segments the snapshot shows: (per occupied block, by address: its handle
+    in the model, its size and whether it is allocated rather than waiting for its free to
+    complete), the bytes allocated, the bytes reserved."""
+    held: dict[int, tuple[int, int, bool]] = {}
+    allocated = reserved = 0
+    for segment in _segments(before, device):
+        if tuple(segment.get("segment_pool_id", (0, 0))) != (0, 0):
+            raise UnusableTrace("a private pool (a CUDA graph's, a MemPool) holds memory, and the model has none")
+        if segment.get("is_expandable", False):
+            raise UnusableTrace("an expandable segment holds memory, and the model cannot take one over")
+        blocks = segment["blocks"]
+        try:
+            handles = iter(
+                model.add_segment(
+                    segment["address"],
+                    [(b["size"], b["state"] in _OCCUPIED) for b in blocks],
+                    small=segment["segment_type"] == "small",
+                )
+            )
+        except ValueError as exc:
+            raise UnusableTrace(f"the snapshot's segments cannot be taken over: {exc}") from exc
+        for block in blocks:
+            if block["state"] in _OCCUPIED:
+                in_use = block["state"] == "active_allocated"
+                held[block["address"]] = (next(handles), block["size"], in_use)
+                allocated += block["size"] if in_use else 0
+        reserved += segment["total_size"]
+    return held, allocated, reserved
 
 
 def same_ops(a: Timeline, b: Timeline) -> bool:
@@ -313,7 +528,16 @@ class ReplayModel:
         kinds_b = [kind for kind, _ in b.trace.order]
         if kinds_a != kinds_b:
             return None
-        return cls(storage, a.trace, limit)
+        replay = cls(storage, a.trace, limit)
+        # As the storage model must reproduce the live bytes, the replay must reproduce the reserved
+        # peak each trial showed: where it does not (other streams, a setting it does not follow),
+        # it describes another allocator.
+        for timeline in (a, b):
+            assert timeline.trace is not None
+            shown = timeline.trace.reserved_peak
+            if shown is not None and replay.peak(timeline.batch) != shown:
+                return None
+        return replay
 
     def peak(self, batch: int) -> int:
         storage = self.storage
@@ -394,10 +618,16 @@ def caches_blocks(records: Sequence[TrialRecord]) -> bool:
 
 
 # Recording on a device -------------------------------------------------------------------------
-class _AllocatedTimeline(TorchDispatchMode):
-    """CUDA: the allocator's live bytes after each op (it already counts every tensor)."""
+# Enough for a trial of a large model's several steps; a trial with more entries than this loses
+# its first ones, and the predictor falls back to the live bytes (`_trial_entries`).
+HISTORY_ENTRIES = 1 << 20
 
-    def __init__(self, read: Callable[[], int], events: list[Event]) -> None:
+
+class _AllocatedTimeline(TorchDispatchMode):
+    """CUDA: the allocator's live bytes after each op (it already counts every tensor), and how
+    many allocations and frees it had counted by then."""
+
+    def __init__(self, read: Callable[[], tuple[int, int, int]], events: list[Event]) -> None:
         super().__init__()
         self.read = read
         self.events = events
@@ -411,21 +641,54 @@ class _AllocatedTimeline(TorchDispatchMode):
     ) -> Any:
         out = func(*args, **(kwargs or {}))
         if not host.active():  # the job's host-side work (its collate) is no op of the device's
-            self.events.append(("op", str(func), self.read()))
+            allocated, allocs, frees = self.read()
+            self.events.append(("op", str(func), allocated))
             self.events.append(("site", host.code_site(), 0))
+            self.events.append(("count", (allocs, frees), 0))
         return out
+
+
+def _cuda_counts(index: int | None) -> tuple[int, int, int]:
+    """Allocated bytes, allocations and frees so far: one memory_stats() call, as memory_allocated()
+    itself makes."""
+    stats = torch.cuda.memory_stats(index)
+    return (
+        int(stats.get("allocated_bytes.all.current", 0)),
+        int(stats.get("allocation.all.allocated", 0)),
+        int(stats.get("allocation.all.freed", 0)),
+    )
+
+
+def _start_history() -> bool:
+    """Record the caching allocator's history (its trace, without stacks), unless it is already
+    recorded: that recording (a profiler's, the job's own) is someone else's to configure and end."""
+    recording_already = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+    if recording_already is not None and recording_already():
+        return False
+    try:
+        torch.cuda.memory._record_memory_history("all", context=None, stacks="python", max_entries=HISTORY_ENTRIES)
+    except RuntimeError:  # an allocator with no history (backend:cudaMallocAsync)
+        return False
+    return True
 
 
 @contextmanager
 def _cuda_timeline(device: ProbeDevice) -> Iterator[list[Event]]:
+    """The per-op allocated bytes, and, recorded around them, the allocator's trace: a snapshot
+    before and one after (("trace", (before, after, counts at the start), 0), last)."""
     events: list[Event] = []
     index = device.torch_device.index
-
-    def read() -> int:
-        return int(torch.cuda.memory_allocated(index))
-
-    with _AllocatedTimeline(read, events):
-        yield events
+    tracing = _start_history()
+    try:
+        before = torch.cuda.memory._snapshot() if tracing else None
+        _, allocs, frees = _cuda_counts(index)
+        with _AllocatedTimeline(lambda: _cuda_counts(index), events):
+            yield events
+        if before is not None:
+            events.append(("trace", (before, torch.cuda.memory._snapshot(), (allocs, frees)), 0))
+    finally:
+        if tracing:
+            torch.cuda.memory._record_memory_history(None)  # which also empties the history
 
 
 def recording(device: ProbeDevice) -> AbstractContextManager[list[Event]]:
@@ -439,6 +702,41 @@ def recording(device: ProbeDevice) -> AbstractContextManager[list[Event]]:
     raise ValueError(f"cannot record a memory timeline on a {device.kind} device")
 
 
+def traced_timeline(batch: int, device: ProbeDevice, events: Sequence[Event]) -> Timeline:
+    """The Timeline of a CUDA trial from its trace (`parse_snapshots`), its allocations placed in
+    the ops `_cuda_timeline` recorded. Raises UnusableTrace when it has none or cannot be used."""
+    recorded = next((what for kind, what, _ in events if kind == "trace"), None)
+    if recorded is None:
+        raise UnusableTrace("no trace was recorded (the allocator's history is off, or already recorded)")
+    before, after, (allocs, frees) = recorded
+    try:
+        config = AllocatorConfig.parse(device.allocator_config)
+    except ValueError as exc:
+        raise UnusableTrace(f"the model does not follow the allocator's settings: {exc}") from exc
+    ops: list[OpMark] = []
+    sites: list[Site | None] = []
+    name = ""
+    for kind, what, _ in events:
+        if kind == "op":
+            name = str(what)
+        elif kind == "site":
+            sites.append(what)
+        elif kind == "count":
+            ops.append((name, what[0] - allocs, what[1] - frees))
+    index = device.torch_device.index
+    return parse_snapshots(
+        batch,
+        before,
+        after,
+        device=torch.cuda.current_device() if index is None else index,
+        limit_bytes=device.limit_bytes,
+        total_bytes=device.total_bytes,
+        config=config,
+        ops=ops,
+        sites=sites,
+    )
+
+
 def record_trial(trial: TrialFn, device: ProbeDevice, batch: int) -> tuple[TrialRecord, Timeline | None]:
     """Run one trial while recording its timeline; no timeline when it ran out of memory."""
     base = device.live_bytes()
@@ -447,6 +745,13 @@ def record_trial(trial: TrialFn, device: ProbeDevice, batch: int) -> tuple[Trial
         record = trial(batch)
     if not record.fits:
         return record, None
+    if any(kind == "trace" for kind, _, _ in events):
+        try:
+            return record, traced_timeline(batch, device, events)
+        except UnusableTrace:
+            # The per-op allocated bytes below stand in: predicted from live bytes, the guess is
+            # then refined by one trial's allocated/reserved ratio (`predicted_search`).
+            pass
     timeline = parse_events(batch, base, events, snapshot)
     if not any(kind in ("born", "died") for kind, _, _ in events):
         timeline = Timeline(batch, timeline.ops, timeline.live, None, sites=timeline.sites)
