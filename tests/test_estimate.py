@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import functools
+import inspect
 import json
 import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -54,10 +55,24 @@ def test_fp16_runs_under_fake_tensors_despite_the_scalers_item() -> None:
     assert guess.precision == "fp16" and guess.max_micro_batch > 13  # half the activations of fp32
 
 
-@functools.cache
+_ESTIMATES: dict[str, EstimateResult] = {}
+
+
+def _once(*args: Any, **kwargs: Any) -> EstimateResult:
+    """`estimate` made once per arguments (defaults filled in, as the CLI passes them all) in this
+    process: a card-sized one takes seconds, and fake tensors compute nothing, so the same
+    arguments give the same result."""
+    bound = inspect.signature(estimate).bind(*args, **kwargs)
+    bound.apply_defaults()
+    key = repr(sorted(bound.arguments.items()))
+    if key not in _ESTIMATES:
+        _ESTIMATES[key] = estimate(*bound.args, **bound.kwargs)
+    return _ESTIMATES[key]
+
+
 def _card_sized(name: str, precision: str) -> EstimateResult:
-    """An estimate at docs/estimate.md's 79.2 GiB (each takes seconds: made once for the tests below)."""
-    return estimate(name, CARD, precision=precision)
+    """An estimate at docs/estimate.md's 79.2 GiB, as its table and its first commands ask."""
+    return _once(name, CARD, precision=None if precision == "fp32" else precision, options={})
 
 
 def test_large_memory_takes_seconds_and_the_curve_brackets_the_answer() -> None:
@@ -124,9 +139,12 @@ def test_memory_below_the_overhead_is_a_config_error() -> None:
         estimate("gpt", 512 * MIB)
 
 
-def test_the_cli_prints_both_answers_in_text_and_json() -> None:
+def test_the_cli_prints_both_answers_in_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     """The probe's two answers under the probe's names: one micro-step per optimizer step, and
-    accumulating (`plain` at 1 MiB answers differently for each)."""
+    accumulating (`plain` at 1 MiB answers differently for each). The JSON from the CLI's own
+    process; the text from its entry point in this one."""
+    from autotune import cli
+
     args = ["tests.predict_workloads:plain", "--memory", "1MiB", "--headroom", "0", "--overhead", "0"]
     proc = subprocess.run(
         [AUTOTUNE, "estimate", *args, "--json"], capture_output=True, text=True, timeout=300, check=False, cwd=ROOT
@@ -140,11 +158,11 @@ def test_the_cli_prints_both_answers_in_text_and_json() -> None:
     assert document["max_micro_batch"] == guess.max_micro_batch
     assert document["max_micro_batch_without_accumulation"] == guess.max_micro_batch_without_accumulation
     assert [a.loop.micro_steps for a in result.answers] == [1, 2] and result.loop.micro_steps == 2
-    text = subprocess.run(
-        [AUTOTUNE, "estimate", *args], capture_output=True, text=True, timeout=300, check=False, cwd=ROOT
-    )
-    assert text.returncode == 0, text.stderr
-    lines = text.stdout.splitlines()
+    capsys.readouterr()
+    code = cli.run(["estimate", *args])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    lines = out.splitlines()
     assert lines[0] == (
         f"estimated max micro-batch: {guess.max_micro_batch} with gradient accumulation "
         "(an estimate: fake tensors on the CPU, nothing measured on a GPU)"
@@ -152,17 +170,23 @@ def test_the_cli_prints_both_answers_in_text_and_json() -> None:
     assert lines[1] == (
         f"  without accumulation (one micro-step per optimizer step): {guess.max_micro_batch_without_accumulation}"
     )
-    assert "predicted peak memory" in text.stdout
-    assert "one micro-step" in text.stdout and "with accumulation" in text.stdout  # the table's two columns
+    assert "predicted peak memory" in out
+    assert "one micro-step" in out and "with accumulation" in out  # the table's two columns
 
 
-def test_the_docs_estimate_commands_run_as_written() -> None:
+def test_the_docs_estimate_commands_run_as_written(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Through the CLI's entry point in this process (the CLI as a process of its own is the test
+    above), its estimates shared with the table's test: the page's first commands are its rows'."""
+    from autotune import cli
+
+    monkeypatch.setattr("autotune.engine.estimate.estimate", _once)
     commands = console_commands(page("docs/estimate.md"))
     assert commands and all(c.startswith("autotune estimate ") for c in commands)
     for command in commands:
-        args = shlex.split(command)[1:]
-        proc = subprocess.run([AUTOTUNE, *args], capture_output=True, text=True, timeout=300, check=False)
-        assert proc.returncode == 0, f"{command}: {proc.stderr}"
+        code = cli.run(shlex.split(command)[1:])
+        assert code == 0, f"{command}: {capsys.readouterr().err}"
 
 
 def test_the_docs_estimate_table_reproduces() -> None:
