@@ -11,7 +11,7 @@ when every real rank fits at the answer and some rank runs out at answer + 1, so
 largest micro-batch is the simulated one; the table shows it, with the simulated peak at the answer
 next to the real ranks' peaks. A DDP rank's memory does not depend on N, so DDP is probed once.
 
-tests/test_parallel.py runs `real_job` the same way for its truth cases, and
+tests/test_parallel.py runs `real_jobs` the same way for its truth cases, and
 tests/test_readme_figures.py checks docs/parallel.md's table against the stored JSON.
 """
 
@@ -40,26 +40,27 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def real_job(
+def real_jobs(
     request: dict[str, Any],
     strategy: str,
     world: int,
-    batch: int,
+    batches: list[int],
     *,
     total_bytes: int,
     limit_bytes: int,
     micro_steps: int,
     reshard_after_forward: bool = True,
     timeout: float = 180,
-) -> list[dict[str, Any]]:
-    """Run `world` real gloo ranks of the job at `batch`; each rank's {"rank", "fits", "peak", "message"}."""
+) -> dict[int, list[dict[str, Any]]]:
+    """Run `world` real gloo ranks of the job at each of `batches` in turn (one group for them all);
+    for each batch, each rank's {"rank", "batch", "fits", "peak", "message"}."""
     job = {
         "request": {**request, "parallel": "none", "world_size": 1},
         "strategy": strategy,
         "world_size": world,
         "total_bytes": total_bytes,
         "limit_bytes": limit_bytes,
-        "batch": batch,
+        "batches": batches,
         "micro_steps": micro_steps,
         "reshard_after_forward": reshard_after_forward,
     }
@@ -79,13 +80,15 @@ def real_job(
             )
             for rank in range(world)
         ]
-        answers = []
+        answers: dict[int, list[dict[str, Any]]] = {batch: [] for batch in batches}
         try:
             for process in ranks:
                 out, err = process.communicate(timeout=timeout)
                 if process.returncode != 0:
                     raise RuntimeError(f"a rank exited with {process.returncode}: {err[-2000:]}")
-                answers.append(json.loads(out.strip().splitlines()[-1]))
+                for line in out.strip().splitlines()[-len(batches) :]:
+                    answer = json.loads(line)
+                    answers[answer["batch"]].append(answer)
         finally:
             for process in ranks:
                 process.kill()
@@ -109,8 +112,9 @@ def truth_row(request: dict[str, Any], strategy: str, world: int, result: Any) -
         "micro_steps": result.loop.micro_steps,
         "reshard_after_forward": request.get("reshard_after_forward", True),
     }
-    at = real_job(request, strategy, world, answer, **common)
-    over = real_job(request, strategy, world, answer + 1, **common)
+    # The size that runs out of memory last: the rank script's order.
+    jobs = real_jobs(request, strategy, world, [answer, answer + 1], **common)
+    at, over = jobs[answer], jobs[answer + 1]
     fits_at, fits_over = all(r["fits"] for r in at), all(r["fits"] for r in over)
     return {
         "setup": strategy,

@@ -95,14 +95,14 @@ def _bench() -> ModuleType:
     return module
 
 
-def _real_job(
-    result: ProbeResult, strategy: str, world: int, batch: int, request: dict[str, object] = BASE
-) -> list[dict]:  # type: ignore[type-arg]
-    return _bench().real_job(  # type: ignore[no-any-return]
+def _real_jobs(
+    result: ProbeResult, strategy: str, world: int, batches: list[int], request: dict[str, object] = BASE
+) -> dict[int, list[dict]]:  # type: ignore[type-arg]
+    return _bench().real_jobs(  # type: ignore[no-any-return]
         request,
         strategy,
         world,
-        batch,
+        batches,
         total_bytes=result.budget_bytes,
         limit_bytes=result.limit_bytes,
         micro_steps=result.loop.micro_steps,
@@ -118,13 +118,14 @@ def test_the_one_device_answer_holds_on_every_rank_of_a_real_job_and_one_more_do
 ) -> None:
     result = results[key]
     answer = result.max_micro_batch
-    at = _real_job(result, strategy, world, answer)
+    jobs = _real_jobs(result, strategy, world, [answer, answer + 1])
+    at, over = jobs[answer], jobs[answer + 1]
+    assert len(at) == len(over) == world
     assert all(r["fits"] for r in at), at
     # The simulated rank's peak is each real rank's, to the byte.
     simulated = result.trial_at_answer
     assert simulated is not None
     assert {r["peak"] for r in at} == {simulated.peak_allocated_bytes}
-    over = _real_job(result, strategy, world, answer + 1)
     assert not all(r["fits"] for r in over), over
 
 
@@ -145,6 +146,7 @@ def test_a_ddp_trial_after_one_that_ran_out_in_the_synced_backward_runs() -> Non
     _exact(result)
     assert sum(not t.fits for t in result.trials) >= 2  # trials ran after out-of-memory ones
     answer = result.max_micro_batch
-    at = _real_job(result, "ddp", 2, answer, request)
+    jobs = _real_jobs(result, "ddp", 2, [answer, answer + 1], request)
+    at, over = jobs[answer], jobs[answer + 1]
     assert all(r["fits"] for r in at) and {r["peak"] for r in at} == {result.trial_at_answer.peak_allocated_bytes}
-    assert not all(r["fits"] for r in _real_job(result, "ddp", 2, answer + 1, request))
+    assert len(over) == 2 and not all(r["fits"] for r in over)
