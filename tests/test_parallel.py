@@ -4,12 +4,12 @@ its own budget device at the probe's limit."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import re
 import shlex
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -39,16 +39,19 @@ def results() -> Iterator[dict[str, ProbeResult]]:
         "gpt", "--device", "cpu", "--memory", BASE["memory"], "--headroom", "0", "--parallel", "fsdp",
         "--world-size", "4", "--no-confirm", "--json",
     ]  # fmt: skip
-    printed = subprocess.run(
-        [str(Path(sys.executable).parent / "autotune"), *command[1:]],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert printed.returncode == 0, printed.stderr
+    # Through the CLI's entry point in this process: its probe's process forks from the server the
+    # other probes of this process share (the CLI as a process of its own is test_cli's).
+    from autotune import cli
+
+    printed, said = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(said):
+        code = cli.run(command[1:])
+    assert code == 0, said.getvalue()
     found = {
         "none": run_probe(ProbeRequest(**BASE)),
         "ddp": run_probe(ProbeRequest(**BASE, parallel="ddp")),
         "fsdp2": run_probe(ProbeRequest(**BASE, parallel="fsdp", world_size=2)),
-        "fsdp4": ProbeResult.model_validate_json(printed.stdout),
+        "fsdp4": ProbeResult.model_validate_json(printed.getvalue()),
     }
     yield found
     # The probe's process group lives as long as its process (a probe's own child, normally);
