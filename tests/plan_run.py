@@ -1,11 +1,13 @@
-"""Run a plan as a user's training loop would, in its own process: `python -m tests.plan_run JOB.json`.
+"""Run a plan as a user's training loop would, in its own process: `python -m tests.plan_run JOB.json ...`.
 
 Each optimizer step runs the plan's micro-batches in order (fresh inputs each; the previous ones
 are dropped when the next are made, so the last micro-batch is alive during the optimizer step, as
 the loop variable of `for batch in loader` is), every loss multiplied by its plan weight, then
 `optimizer.step()` and
 `zero_grad(set_to_none=True)`, on a budget device of the given size and limit. Prints one JSON
-line: whether it fitted, the peak, and the OOM message.
+line a job: whether it fitted, the peak, and the OOM message. Several jobs run in turn, each with a
+budget device and a model of its own (a fresh allocator's start: the budget device keeps no cache),
+so one interpreter's imports serve them all.
 """
 
 from __future__ import annotations
@@ -40,5 +42,6 @@ def run(job: dict) -> dict:  # type: ignore[type-arg]
 
 
 if __name__ == "__main__":
-    with open(sys.argv[1]) as handle:
-        print(json.dumps(run(json.load(handle))))
+    for path in sys.argv[1:]:
+        with open(path) as handle:
+            print(json.dumps(run(json.load(handle))), flush=True)

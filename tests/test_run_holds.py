@@ -21,22 +21,31 @@ from autotune.results import ProbeResult
 CASES = [("cnn", "64MiB", 64)]
 
 
-def _run_plan(tmp_path: Path, result: ProbeResult, micro_batches: list[int], weights: list[float]) -> dict:  # type: ignore[type-arg]
-    job = {
-        "target": result.workload.target,
-        "total_bytes": result.budget_bytes,
-        "limit_bytes": result.limit_bytes,
-        "micro_batches": micro_batches,
-        "loss_weights": weights,
-        "steps": 3,
-    }
-    path = tmp_path / f"job-{len(list(tmp_path.iterdir()))}.json"
-    path.write_text(json.dumps(job))
+def _run_plans(tmp_path: Path, result: ProbeResult, jobs: list[tuple[list[int], list[float]]]) -> list[dict]:  # type: ignore[type-arg]
+    """Each (micro-batches, loss weights) run as a plan for 3 optimizer steps, in turn, in one fresh
+    process (`tests.plan_run`: a budget device and model of its own for each)."""
+    paths = []
+    for micro_batches, weights in jobs:
+        job = {
+            "target": result.workload.target,
+            "total_bytes": result.budget_bytes,
+            "limit_bytes": result.limit_bytes,
+            "micro_batches": micro_batches,
+            "loss_weights": weights,
+            "steps": 3,
+        }
+        paths.append(tmp_path / f"job-{len(paths)}.json")
+        paths[-1].write_text(json.dumps(job))
     done = subprocess.run(
-        [sys.executable, "-m", "tests.plan_run", str(path)], capture_output=True, text=True, timeout=600, check=True
+        [sys.executable, "-m", "tests.plan_run", *map(str, paths)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
     )
-    answer: dict = json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[type-arg]
-    return answer
+    answers: list[dict] = [json.loads(line) for line in done.stdout.strip().splitlines()[-len(jobs) :]]  # type: ignore[type-arg]
+    assert len(answers) == len(jobs), done.stdout
+    return answers
 
 
 @pytest.mark.slow
@@ -49,15 +58,17 @@ def test_the_plan_fits_in_a_fresh_run_and_one_more_sample_does_not(
     plan = result.plan
     assert plan is not None and plan.accumulation_steps > 1 and plan.verified_for == "accumulation"
     assert result.confirmation is not None and result.confirmation.status == "passed"
-    fits = _run_plan(tmp_path, result, plan.micro_batches, plan.loss_weights)
-    assert fits["fits"], fits["message"]
-    assert fits["peak"] <= result.limit_bytes
     # The plan may run less than the answer (100 over 4 steps is 25 each, under a maximum of 33):
     # the same loop at the answer fits, and at the answer + 1 runs out of memory.
     steps, largest = plan.accumulation_steps, plan.max_micro_batch
     even = [1 / steps] * steps
-    at_answer = _run_plan(tmp_path, result, [largest] * steps, even)
+    fits, at_answer, over = _run_plans(
+        tmp_path,
+        result,
+        [(plan.micro_batches, plan.loss_weights), ([largest] * steps, even), ([largest + 1] * steps, even)],
+    )
+    assert fits["fits"], fits["message"]
+    assert fits["peak"] <= result.limit_bytes
     assert at_answer["fits"], at_answer["message"]
-    over = _run_plan(tmp_path, result, [largest + 1] * steps, even)
     assert not over["fits"], f"micro-batch {largest + 1} fitted: the answer was not the largest"
     assert "out of memory" in over["message"]
