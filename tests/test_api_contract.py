@@ -78,6 +78,7 @@ TOKEN = "contract-token"
 TINY = {"in_features": 64, "hidden": 64, "layers": 1, "classes": 10}
 SEED = 20261123
 EXAMPLES = 15
+DEFAULT_RUN_EXAMPLES = 25
 OPERATIONS_WITH_RULES = (
     "GET /v1/plan",
     "POST /v1/plan/mixed",
@@ -159,9 +160,11 @@ def test_schemathesis_finds_no_failure(server: Server, tmp_path: Path) -> None:
 
 
 def test_a_default_schemathesis_run_finds_no_failure(server: Server, tmp_path: Path) -> None:
-    """`schemathesis run` as anyone would first run it: every check, every phase, its default number
-    of examples, no configuration (run from an empty directory, so no schemathesis.toml is found),
-    no hooks and nothing allowed beyond its defaults; only the token and a fixed seed. A
+    """`schemathesis run` as anyone would first run it: every check, every phase, no configuration
+    (run from an empty directory, so no schemathesis.toml is found), no hooks and nothing allowed
+    beyond its defaults; only the token, a fixed seed and 25 examples per operation instead of its
+    default 100 (the suite's time: 100 took 50-75 s of a 2-core machine, all of it schemathesis's own
+    generation; the full default run also found 0 failures, in the suite at c17a9db, 2026-11-26). A
     schema-valid request that the service refuses with 422 fails it: the rules across fields are
     in the document (FSDP over one rank, a published result's form and its limit), and what no
     schema can state is reached only from a request that passed those (a registered workload)."""
@@ -169,7 +172,7 @@ def test_a_default_schemathesis_run_finds_no_failure(server: Server, tmp_path: P
     junit = tmp_path / "junit.xml"
     command = [
         *(sys.executable, "-m", "schemathesis.cli", "run", f"{server.url}/openapi.json"),
-        *("--checks", "all", "--seed", str(SEED)),
+        *("--checks", "all", "--seed", str(SEED), "--max-examples", str(DEFAULT_RUN_EXAMPLES)),
         *("--header", f"Authorization: Bearer {TOKEN}"),
         *("--report", "junit", "--report-junit-path", str(junit)),
     ]
