@@ -117,7 +117,21 @@ def run_isolated(
 ) -> ProbeResult:
     """Run `request` in a fresh child interpreter; raise ProbeTimeoutError or ProbeCrashedError
     if it does not come back with an answer, or the error the probe failed with. `on_progress`
-    hears the micro-steps inside each trial (at most every 0.1 s, and each trial's first)."""
+    hears the micro-steps inside each trial (at most every 0.1 s, and each trial's first).
+
+    The child is forked by this process's fork server (`autotune.engine.zygote`; inside
+    `probe_and_confirm`, the probe's), so probes run one after another in a process import torch
+    once."""
+    with zygote.serving():
+        return _run_isolated(request, timeout, on_trial, on_progress)
+
+
+def _run_isolated(
+    request: ProbeRequest,
+    timeout: float,
+    on_trial: TrialCallback | None,
+    on_progress: ProgressCallback | None,
+) -> ProbeResult:
     from autotune.progress import TrialProgress
     from autotune.results import ProbeResult, TrialRecord
 

@@ -27,7 +27,9 @@ A server outlives its probe: at the probe's end it waits, idle, for the next pro
 (`_key`: the interpreter, `sys.path` and the variables imports read), so a later probe starts no
 interpreter. Its children see nothing of that history: the server only imports, warms up and forks,
 never runs a workload, so its hundredth child starts from the state its first did. A probe that
-ends with a child still running (an error, an interrupt) closes its server instead. Servers are
+failed (the workload's error, a crash, a timeout: the child is gone, or was killed) keeps its
+server too once every child's end is seen; a probe interrupted (Ctrl-C, SIGTERM, the caller's
+exit), or one with a child still running, closes its server instead. Servers are
 started by one thread kept for the process (`_starter`): Linux sends the parent-death signal when
 the *thread* that started a process ends, and a service's probes run in threads that come and go.
 """
@@ -172,18 +174,23 @@ def serving() -> Iterator[None]:
     claim = _Serving()
     with _current_lock:
         _current.append(claim)
-    ended = False
+    interrupted = True
     try:
         yield
-        ended = True
+        interrupted = False
+    except Exception:
+        # The probe's failure, not the server's: `_give_back` keeps it only when every child it
+        # forked has ended (a child still running is ended with its server).
+        interrupted = False
+        raise
     finally:
         with _current_lock:
             _current.remove(claim)
         if claim.zygote is not None:
-            if ended:
-                _give_back(claim.zygote)
-            else:  # an error or an interrupt may have left a child running: end it with its server
+            if interrupted:  # no waiting on an interrupt: whatever runs ends with its server, now
                 claim.zygote.close()
+            else:
+                _give_back(claim.zygote)
 
 
 def spawn(
