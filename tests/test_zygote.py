@@ -197,3 +197,21 @@ def test_a_probe_that_ends_with_its_child_running_takes_its_server_and_child_dow
         time.sleep(0.05)
     assert _gone(server) and _gone(child)
     assert server not in [kept.pid for _, kept in zygote._idle]
+
+
+def test_probes_that_failed_keep_their_server_for_the_next_probe() -> None:
+    """The workload's error and a child's abrupt exit are the probe's failures, not the server's:
+    the next isolated probe of the process forks from the same server."""
+    from autotune.engine.isolation import run_isolated
+    from autotune.engine.probe import ProbeRequest
+    from autotune.errors import NotAnOOMError, ProbeCrashedError
+
+    zygote.close_idle()
+    memory = 64 * 2**20
+    with pytest.raises(NotAnOOMError, match="shape mismatch"):
+        run_isolated(ProbeRequest(target="tests.workloads:broken", device="cpu", memory=memory), timeout=120)
+    kept = [server.pid for _, server in zygote._idle]
+    assert len(kept) == 1
+    with pytest.raises(ProbeCrashedError, match="exited with code 7"):
+        run_isolated(ProbeRequest(target="tests.workloads:exits", device="cpu", memory=memory), timeout=120)
+    assert [server.pid for _, server in zygote._idle] == kept
