@@ -181,6 +181,10 @@ NOT_RUN = {
     ("docs/measurements.md", "make bench"): (
         "the benchmark itself (7 minutes); tests/test_readme_figures.py reruns its deterministic rows"
     ),
+    ("docs/measurements.md", "OMP_NUM_THREADS=1 .venv/bin/python bench/allocator_vs_h100.py"): (
+        "a measurement against H100 records outside the repository (8 minutes); tests/test_allocator_vs_h100.py "
+        "checks its reading of them and the table against bench/results/allocator_vs_h100.json"
+    ),
 }
 
 
