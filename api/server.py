@@ -28,18 +28,20 @@ BACKLOG = 2048  # uvicorn's default: connections that wait while the server star
 
 
 def preflight() -> None:
-    """Load the workloads file, open and check the database (no migration). Raises ConfigError."""
+    """Open and check the database (no migration), load the workloads file. Raises ConfigError.
+    The database first: it needs no torch, which the workloads' imports take seconds to load."""
     from autotune.errors import ConfigError, StoreError
     from autotune.settings import get_settings
     from autotune.store import Store
-    from autotune.workloads.registry import load_registry
 
     settings = get_settings()
-    load_registry(settings.workloads)
     try:
         Store(settings.db, migrate=False).close()
     except StoreError as exc:
         raise ConfigError(str(exc)) from None
+    from autotune.workloads.registry import load_registry
+
+    load_registry(settings.workloads)
 
 
 def listen(host: str, port: int, workers: int) -> list[socket.socket]:
