@@ -164,7 +164,7 @@ def test_a_default_schemathesis_run_finds_no_failure(server: Server, tmp_path: P
     (run from an empty directory, so no schemathesis.toml is found), no hooks and nothing allowed
     beyond its defaults; only the token, a fixed seed and 25 examples per operation instead of its
     default 100 (the suite's time: 100 took 50-75 s of a 2-core machine, all of it schemathesis's own
-    generation; the full default run also found 0 failures, in the suite at c17a9db, 2026-11-26). A
+    generation; the full default run also found 0 failures, in the suite at e2dec9e, 2026-11-26). A
     schema-valid request that the service refuses with 422 fails it: the rules across fields are
     in the document (FSDP over one rank, a published result's form and its limit), and what no
     schema can state is reached only from a request that passed those (a registered workload)."""
