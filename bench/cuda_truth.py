@@ -65,6 +65,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 if TYPE_CHECKING:
+    import torch
+
     from autotune.devices.budget import BudgetDevice
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,21 +99,11 @@ def probe(target: str, flags: list[str], env: dict[str, str], extra: list[str]) 
 
 def plain_loop(job: dict[str, Any]) -> dict[str, Any]:
     """The loop a user writes, in this (fresh) process, capped at the job's limit."""
-    import torch
-
-    from autotune.engine.oom import classify
     from autotune.workloads.targets import resolve
 
     workload = resolve(job["target"], job.get("options") or {})
-    limit, batch, micro_steps = job["limit_bytes"], job["batch"], job["micro_steps"]
-    if job["device"].startswith("cuda"):
-        device = torch.device(job["device"])
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(limit / total, device)
-        budget = None
-    else:
-        device = torch.device("cpu")
-        budget = _budget_device(job)
+    batch, micro_steps = job["batch"], job["micro_steps"]
+    device, budget = _capped(job)
     step = micro = 0
     try:
         with budget.active() if budget is not None else _nothing():
@@ -127,21 +119,44 @@ def plain_loop(job: dict[str, Any]) -> dict[str, Any]:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
     except Exception as exc:  # an OOM is the answer; anything else propagates
-        reason = classify(exc)
-        if reason is None:
+        if (row := _ran_out(exc, step, micro)) is None:
             raise
-        return {"fits": False, "step": step, "micro_step": micro, "message": reason.message.splitlines()[0]}
-    peaks: dict[str, Any] = {"fits": True, "steps": job["steps"]}
+        return row
+    return _fitted(job["steps"], device, budget)
+
+
+def _capped(job: dict[str, Any]) -> tuple[torch.device, BudgetDevice | None]:
+    """The job's device capped at its limit: on CUDA `set_per_process_memory_fraction` (it counts
+    reserved memory, as the probe's cap does), else the CPU and a budget device at the limit."""
+    import torch
+
+    if job["device"].startswith("cuda"):
+        device = torch.device(job["device"])
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(job["limit_bytes"] / total, device)
+        return device, None
+    return torch.device("cpu"), _budget_device(job)
+
+
+def _ran_out(exc: Exception, step: int, micro: int) -> dict[str, Any] | None:
+    """A run's row when `exc` is an out-of-memory error (where it struck); None for anything else."""
+    from autotune.engine.oom import classify
+
+    reason = classify(exc)
+    if reason is None:
+        return None
+    return {"fits": False, "step": step, "micro_step": micro, "message": reason.message.splitlines()[0]}
+
+
+def _fitted(steps: int, device: torch.device, budget: BudgetDevice | None) -> dict[str, Any]:
+    """A run's row when all its steps ran: the peaks the device counted."""
+    import torch
+
     if budget is not None:
-        peaks.update(
-            peak_allocated_bytes=budget.peak_allocated_bytes(), peak_reserved_bytes=budget.peak_reserved_bytes()
-        )
+        allocated, reserved = budget.peak_allocated_bytes(), budget.peak_reserved_bytes()
     else:
-        peaks.update(
-            peak_allocated_bytes=torch.cuda.max_memory_allocated(device),
-            peak_reserved_bytes=torch.cuda.max_memory_reserved(device),
-        )
-    return peaks
+        allocated, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+    return {"fits": True, "steps": steps, "peak_allocated_bytes": allocated, "peak_reserved_bytes": reserved}
 
 
 def _budget_device(job: dict[str, Any]) -> BudgetDevice:
@@ -379,19 +394,10 @@ def trainer_loop(job: dict[str, Any]) -> dict[str, Any]:
     GPU holds them from the Trainer's creation on)."""
     import tempfile
 
-    import torch
     import transformers
 
-    from autotune.engine.oom import classify
-
-    limit, batch, micro_steps, steps = job["limit_bytes"], job["batch"], job["micro_steps"], job["steps"]
-    budget = None
-    if job["device"].startswith("cuda"):
-        device = torch.device(job["device"])
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(limit / total, device)
-    else:
-        budget = _budget_device(job)
+    batch, micro_steps, steps = job["batch"], job["micro_steps"], job["steps"]
+    device, budget = _capped(job)
 
     class Window(transformers.TrainerCallback):
         """Micro-steps done in the running optimizer step: where an OOM struck. (It holds nothing.)"""
@@ -431,24 +437,12 @@ def trainer_loop(job: dict[str, Any]) -> dict[str, Any]:
             with budget.active() if budget is not None else _nothing():
                 trainer.train()
         except Exception as exc:  # an OOM is the answer; anything else propagates
-            reason = classify(exc)
-            if reason is None:
+            if (row := _ran_out(exc, trainer.state.global_step + 1, window.done + 1)) is None:
                 raise
-            step, micro = trainer.state.global_step + 1, window.done + 1
-            return {"fits": False, "step": step, "micro_step": micro, "message": reason.message.splitlines()[0]}
+            return row
     if trainer.state.global_step != steps:  # a fit is all the steps, or the row would say more than ran
         raise SystemExit(f"the Trainer stopped after {trainer.state.global_step} of {steps} optimizer steps")
-    peaks: dict[str, Any] = {"fits": True, "steps": steps}
-    if budget is not None:
-        peaks.update(
-            peak_allocated_bytes=budget.peak_allocated_bytes(), peak_reserved_bytes=budget.peak_reserved_bytes()
-        )
-    else:
-        peaks.update(
-            peak_allocated_bytes=torch.cuda.max_memory_allocated(device),
-            peak_reserved_bytes=torch.cuda.max_memory_reserved(device),
-        )
-    return peaks
+    return _fitted(steps, device, budget)
 
 
 def trainer_truth(
