@@ -4,26 +4,16 @@
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+from tests.benches import load_bench
 from tests.docs_text import ROOT, prose, section
 
 RESULTS = ROOT / "bench" / "results" / "allocator_vs_h100.json"
-
-
-@functools.cache
-def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("allocator_vs_h100", ROOT / "bench" / "allocator_vs_h100.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @functools.cache
@@ -33,7 +23,7 @@ def _stored() -> dict[str, Any]:
 
 
 def test_a_record_reads_as_its_trials() -> None:
-    bench = _bench()
+    bench = load_bench("allocator_vs_h100")
     trial = {
         "batch": 31,
         "fits": False,
@@ -72,7 +62,7 @@ def test_a_record_reads_as_its_trials() -> None:
 
 
 def test_without_records_the_script_says_so_in_one_line(tmp_path: Path) -> None:
-    bench = _bench()
+    bench = load_bench("allocator_vs_h100")
     with pytest.raises(SystemExit, match=r"^no H100 records: .* is not a directory \(give it with --h100 DIR\)$"):
         bench.main(["--h100", str(tmp_path / "absent")])
     with pytest.raises(SystemExit, match=r"^no H100 records \(\*\.json\) in "):
@@ -80,7 +70,7 @@ def test_without_records_the_script_says_so_in_one_line(tmp_path: Path) -> None:
 
 
 def test_the_stored_measurement_holds_the_h100s_numbers_and_its_own_summary() -> None:
-    bench, stored = _bench(), _stored()
+    bench, stored = load_bench("allocator_vs_h100"), _stored()
     cases = {c["case"]: c for c in stored["cases"]}
     answers = {
         name: (c["h100"]["max_micro_batch"], c["h100"]["max_micro_batch_without_accumulation"])

@@ -5,7 +5,6 @@ run in the Trainer's own `train()`."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,15 +16,9 @@ from typing import Any
 
 import pytest
 
+from tests.benches import load_bench
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("cuda_truth", ROOT / "bench" / "cuda_truth.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +51,7 @@ def test_the_modelled_allocator_reserves_more_than_it_allocates_and_trials_settl
 def test_a_plain_20_step_loop_on_the_modelled_device_fits_at_the_answer_and_not_one_more(
     modelled: dict[str, Any],
 ) -> None:
-    bench = _bench()
+    bench = load_bench("cuda_truth")
     # In this process, each run on a budget device of its own (a fresh allocator model, what a fresh
     # process gives on a GPU); the script runs each in a new interpreter.
     rows = bench.truth(
@@ -100,7 +93,7 @@ def trainer_row() -> dict[str, Any]:
     """The tiny GPT-2's Trainer, configured 8 x 4, tuned at 8 MiB, and its truth in 3-step train()s,
     with exact counting (the script's docstring says why not the allocator model)."""
     pytest.importorskip("transformers")
-    bench = _bench()
+    bench = load_bench("cuda_truth")
     [row] = bench.run_cases(["trainer:8MiB:tiny"], "cpu", TRAINER_STEPS, None, run=_in_process(bench))
     return row
 
@@ -137,7 +130,7 @@ def _tuned_result(answers: list[tuple[int, int | None, bool]], tuned: tuple[int,
 
 
 def test_the_trainer_truth_runs_each_claim_and_what_was_set() -> None:
-    bench = _bench()
+    bench = load_bench("cuda_truth")
     jobs: list[dict[str, Any]] = []
 
     def run(job: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
@@ -163,7 +156,7 @@ def test_the_trainer_truth_runs_each_claim_and_what_was_set() -> None:
 
 
 def test_trainer_cases_name_a_memory_and_the_model() -> None:
-    bench = _bench()
+    bench = load_bench("cuda_truth")
     assert "trainer:2GiB" in bench.GPU_CASES
     assert bench.trainer_case("trainer:2GiB") == ("2GiB", "small", False)
     assert bench.trainer_case("trainer:8MiB:tiny:expandable") == ("8MiB", "tiny", True)

@@ -5,23 +5,20 @@ its own budget device at the probe's limit."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import re
 import shlex
 from collections.abc import Iterator
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch.distributed as dist
 
 from autotune.engine.probe import ProbeRequest, run_probe
 from autotune.results import ProbeResult
+from tests.benches import load_bench
 from tests.docs_text import page, prose
 
-ROOT = Path(__file__).resolve().parents[1]
 BASE = {"target": "gpt", "device": "cpu", "memory": "128MiB", "headroom": 0, "confirm": False}
 
 
@@ -90,18 +87,10 @@ def test_each_setup_answers_exactly_for_its_loop_and_is_keyed_apart(results: dic
     assert abs(fsdp4.breakdown.parameters - none.breakdown.parameters / 4) < none.breakdown.parameters * 0.01
 
 
-def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_parallel", ROOT / "bench" / "parallel.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _real_jobs(
     result: ProbeResult, strategy: str, world: int, batches: list[int], request: dict[str, object] = BASE
 ) -> dict[int, list[dict]]:  # type: ignore[type-arg]
-    return _bench().real_jobs(  # type: ignore[no-any-return]
+    return load_bench("parallel").real_jobs(  # type: ignore[no-any-return]
         request,
         strategy,
         world,

@@ -10,21 +10,18 @@ the service benchmark's stored measurement. About 5 s in all.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import inspect
 import json
 import os
 import re
 import socket
 import statistics
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from autotune.plans.plan import plan
+from tests.benches import load_bench
 from tests.docs_text import all_text, page, prose
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,14 +150,6 @@ def test_lightnings_small_mlp_at_6_mib_answers_746() -> None:
 
 
 # The search benchmark -----------------------------------------------------------------------------
-@functools.cache
-def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_search", ROOT / "bench" / "search.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def _bench_rows() -> list[dict[str, str]]:
@@ -215,7 +204,7 @@ def _rerun(workload: str, budget: str) -> None:
 
     (row,) = [r for r in _bench_rows() if (r["workload"], r["budget"], r["method"]) == (workload, budget, "predict")]
     mib = float(budget.removesuffix(" MiB"))
-    run = _bench().run_ours("predict", workload, resolve(workload), int(mib * MIB), int(row["true"]))
+    run = load_bench("search").run_ours("predict", workload, resolve(workload), int(mib * MIB), int(row["true"]))
     assert (run.found, run.trials, run.sample_steps) == (
         int(row["found"]),
         int(row["trials"]),
@@ -264,14 +253,10 @@ def test_the_service_throughput_is_the_stored_measurement() -> None:
 
 # The parallel truth table -------------------------------------------------------------------------
 def test_the_parallel_truth_table_is_the_stored_measurement() -> None:
-    spec = importlib.util.spec_from_file_location("bench_parallel", ROOT / "bench" / "parallel.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     stored = json.loads((ROOT / "bench" / "results" / "parallel.json").read_text())
     assert stored["date"].startswith("2026-11-24") and stored["machine"]["cpus"] == 2
     assert all(row["holds"] and row["real_peaks"] == [row["simulated_peak"]] for row in stored["rows"])
-    table = bench.markdown(stored["rows"], stored["unsharded_answer"]).split("\n\n")[0]
+    table = load_bench("parallel").markdown(stored["rows"], stored["unsharded_answer"]).split("\n\n")[0]
     assert table in page("docs/parallel.md"), "docs/parallel.md's table is not bench/results/parallel.json's"
     _quoted(f"One process of the model, without any parallelism, answers {stored['unsharded_answer']}")
     _quoted(f"Measured {stored['date'][:10]} on the 2-core CPU VM, torch {stored['machine']['torch']}")
