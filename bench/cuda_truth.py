@@ -2,7 +2,7 @@
 (for a Hugging Face Trainer, the Trainer's own `train()`).
 
     .venv/bin/python bench/cuda_truth.py [--case NAME ...] [--steps 200] [--json bench/results/cuda_truth.json]
-    .venv/bin/python bench/cuda_truth.py --device cpu --allocator cuda --case gpt:32MiB --steps 20
+    .venv/bin/python bench/cuda_truth.py --device cpu --allocator cuda --case gpt:256MiB --steps 20
     .venv/bin/python bench/cuda_truth.py --device cpu --case trainer:8MiB:tiny --steps 5
 
 Each case probes a workload (`autotune probe ... --json`, a fresh CLI process), then runs each of
@@ -518,8 +518,10 @@ def run_cases(
     steps: int,
     allocator: str | None,
     run: Callable[[dict[str, Any], dict[str, str]], dict[str, Any]] = fresh,
+    results: Path | None = None,
 ) -> list[dict[str, Any]]:
-    """Each case's probe and truth. `run` runs the Trainer cases' jobs (`fresh` processes by default)."""
+    """Each case's probe and truth. `run` runs the Trainer cases' jobs (`fresh` processes by default);
+    `results`: a folder to keep each case's whole probe result in (`<case>.json`)."""
     table = []
     for case in cases:
         started = time.perf_counter()
@@ -532,6 +534,9 @@ def run_cases(
             extra = ["--allocator", allocator] if allocator and device == "cpu" else []
             result = probe(target, flags, env, extra)
             rows = truth(result, device, steps, env, allocator)
+        if results is not None:
+            results.mkdir(parents=True, exist_ok=True)
+            (results / f"{case.replace(':', '_')}.json").write_text(json.dumps(result, indent=1) + "\n")
         trials = result["trials"]
         table.append(
             {
@@ -546,6 +551,11 @@ def run_cases(
                     "accumulating": sum(1 for t in trials if t["micro_steps"] > 1),
                 },
                 "confirmation": (result.get("confirmation") or {}).get("status"),
+                # Which answers the predictor gave and how (a replayed trace, a fallback and why).
+                "predictions": [
+                    {k: v for k, v in (a.get("prediction") or {}).items() if k != "curve"}
+                    for a in result.get("answers") or []
+                ],
                 "holds": all(r["fits"] == r["expected_fits"] for r in rows),
                 "runs": rows,
                 "seconds": round(time.perf_counter() - started, 1),
@@ -585,6 +595,7 @@ def main() -> None:
     parser.add_argument("--allocator", choices=("exact", "cuda"), default=None, help="the budget device's (cpu)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--json", default=None, help="write the table here")
+    parser.add_argument("--results", default=None, help="also write each case's whole probe result in this folder")
     args = parser.parse_args()
     if args.run:
         job = json.loads(args.run)
@@ -594,7 +605,7 @@ def main() -> None:
 
     device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     cases = args.case or (list(GPU_CASES) if device.startswith("cuda") else ["gpt:32MiB"])
-    table = run_cases(cases, device, args.steps, args.allocator)
+    table = run_cases(cases, device, args.steps, args.allocator, results=Path(args.results) if args.results else None)
     print_table(table, args.steps)
     if args.json:
         name = torch.cuda.get_device_name(0) if device.startswith("cuda") else platform.processor() or "cpu"

@@ -1,0 +1,86 @@
+"""Record, on a GPU, what the predictor's timeline trials gave a probe: the caching allocator's own
+trace (the two `torch.cuda.memory._snapshot()`s around each trial) and the ops the trial ran, so
+that the CPU can replay them later through `parse_snapshots` and the allocator model.
+
+    PYTHONPATH=. python bench/record_cuda_trace.py --memory 512MiB --out bench/results/h100_trace_512MiB.pkl.gz
+
+It runs `autotune probe gpt --memory SIZE --headroom 0` in this process (no confirmation: the
+traces are what is kept) and wraps `autotune.engine.predict.traced_timeline` to keep each call's
+inputs: the batch, the events recorded around the trial (ops, their code sites, the allocator's
+counts, the two snapshots), the device's limit, total bytes and allocator settings; and what the
+probe answered, with every trial's peaks. The file is a gzipped pickle of plain Python values
+(dicts, lists, tuples, strings, numbers): `load(path)` reads it back. The snapshots are recorded
+without stack traces (the predictor records none), so they hold sizes, addresses and actions only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import pickle
+from pathlib import Path
+from typing import Any
+
+
+def record(memory: str) -> dict[str, Any]:
+    import torch
+
+    from autotune.engine import predict
+    from autotune.engine.probe import ProbeRequest, run_probe
+
+    trials: list[dict[str, Any]] = []
+    original = predict.traced_timeline
+
+    def keeping(batch: int, device: Any, events: Any) -> Any:
+        trials.append(
+            {
+                "batch": batch,
+                "events": list(events),
+                "device_index": device.torch_device.index,
+                "limit_bytes": device.limit_bytes,
+                "total_bytes": device.total_bytes,
+                "allocator_config": device.allocator_config,
+            }
+        )
+        return original(batch, device, events)
+
+    predict.traced_timeline = keeping
+    try:
+        result = run_probe(
+            ProbeRequest(target="gpt", device="cuda:0", memory=memory, headroom=0, min_free_memory=0, confirm=False)
+        )
+    finally:
+        predict.traced_timeline = original
+    return {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "memory": memory,
+        "trials": trials,
+        "result": result.model_dump(mode="json"),
+    }
+
+
+def load(path: Path) -> dict[str, Any]:
+    with gzip.open(path, "rb") as f:
+        document: dict[str, Any] = pickle.load(f)  # our own recording (trusted input)
+    return document
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--memory", default="512MiB")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    document = record(args.memory)
+    with gzip.open(args.out, "wb") as f:
+        pickle.dump(document, f, protocol=4)
+    result = document["result"]
+    print(
+        f"{args.memory}: {len(document['trials'])} traced trials, answers "
+        f"{result['max_micro_batch']} / {result.get('max_micro_batch_without_accumulation')}, "
+        f"prediction {result.get('prediction')}, {Path(args.out).stat().st_size} bytes"
+    )
+
+
+if __name__ == "__main__":
+    main()
