@@ -186,7 +186,11 @@ def fresh(job: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
         [sys.executable, __file__, "--run", json.dumps(job)],
         capture_output=True,
         text=True,
-        env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
+        env={
+            **os.environ,
+            **env,
+            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        },
         cwd=ROOT,
         timeout=3600,
         check=False,
@@ -233,6 +237,7 @@ def truth(
             rows.append(
                 {"answer": name, "batch": batch, "micro_steps": micro_steps, "expected_fits": expected, **outcome}
             )
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # what ran so far, if cut short
     return rows
 
 
@@ -533,10 +538,9 @@ def run_cases(
             target, flags, env = case_flags(case, device)
             extra = ["--allocator", allocator] if allocator and device == "cpu" else []
             result = probe(target, flags, env, extra)
+            _keep(results, case, result)
             rows = truth(result, device, steps, env, allocator)
-        if results is not None:
-            results.mkdir(parents=True, exist_ok=True)
-            (results / f"{case.replace(':', '_')}.json").write_text(json.dumps(result, indent=1) + "\n")
+        _keep(results, case, result)
         trials = result["trials"]
         table.append(
             {
@@ -562,6 +566,12 @@ def run_cases(
             }
         )
     return table
+
+
+def _keep(results: Path | None, case: str, result: dict[str, Any]) -> None:
+    if results is not None:
+        results.mkdir(parents=True, exist_ok=True)
+        (results / f"{case.replace(':', '_')}.json").write_text(json.dumps(result, indent=1) + "\n")
 
 
 def print_table(table: list[dict[str, Any]], steps: int) -> None:

@@ -30,25 +30,26 @@ fi
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2
 log "commit ${AUTOTUNE_COMMIT:-unknown}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$R/summary.log"
-python3 -c "import torch, transformers, accelerate, pydantic; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'pydantic', pydantic.__version__)" 2>&1 | tee -a "$R/summary.log"
+python3 -c "import torch, transformers, accelerate, pydantic, typer; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'pydantic', pydantic.__version__, 'typer', typer.__version__)" 2>&1 | tee -a "$R/summary.log"
+python3 -m pytest -p no:cacheprovider -q tests/test_cli.py::test_every_long_flag_is_named_in_lower_case 2>&1 | tail -1 | tee -a "$R/summary.log"
 
 own_locks() { AUTOTUNE_LOCK_DIR=$(mktemp -d) "$@"; }
 truth() { # case steps
 	local name=${1//:/_}
-	own_locks timeout 320 python3 bench/cuda_truth.py --case "$1" --steps "$2" --json "$R/truth_$name.json" \
+	own_locks timeout 290 python3 bench/cuda_truth.py --case "$1" --steps "$2" --json "$R/truth_$name.json" \
 		--results "$R/results" >"$R/truth_$name.log" 2>&1
 	log "truth $1 ($2 steps): rc $?"
 }
 
 log "group 1: the cuda tests, the traces, the capped cases, side by side"
 (
-	timeout 320 python3 -m pytest -m cuda -p no:cacheprovider -W default -q -rA \
+	timeout 290 python3 -m pytest -m cuda -p no:cacheprovider -W default -q -rA \
 		tests/test_gpu.py tests/test_trial.py tests/test_cuda_trace.py tests/test_breakdown.py >"$R/pytest_cuda.log" 2>&1
 	log "pytest -m cuda: rc $? ($(tail -1 "$R/pytest_cuda.log"))"
 ) &
 (
 	for memory in 512MiB 2GiB; do
-		own_locks timeout 150 python3 bench/record_cuda_trace.py --memory $memory \
+		own_locks timeout 140 python3 bench/record_cuda_trace.py --memory $memory \
 			--out "$R/h100_trace_$memory.pkl.gz" >"$R/trace_$memory.log" 2>&1
 		log "trace $memory: rc $? ($(tail -1 "$R/trace_$memory.log" | cut -c1-300))"
 	done
@@ -63,9 +64,9 @@ log "group 1 done"
 left=$((deadline - ($(date +%s) - start) - 10))
 if [ "$left" -gt 60 ]; then
 	log "the whole card, alone (${left}s left)"
-	AUTOTUNE_LOCK_DIR=$(mktemp -d) timeout "$left" python3 bench/cuda_truth.py --case gpt:card --steps 20 \
+	AUTOTUNE_LOCK_DIR=$(mktemp -d) timeout "$left" python3 bench/cuda_truth.py --case gpt:card --steps 10 \
 		--json "$R/truth_gpt_card.json" --results "$R/results" >"$R/truth_gpt_card.log" 2>&1
-	log "truth gpt:card (20 steps): rc $?"
+	log "truth gpt:card (10 steps): rc $?"
 else
 	log "no time left for the whole card"
 fi

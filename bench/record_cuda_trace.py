@@ -8,16 +8,21 @@ It runs `autotune probe gpt --memory SIZE --headroom 0` in this process (no conf
 traces are what is kept) and wraps `autotune.engine.predict.traced_timeline` to keep each call's
 inputs: the batch, the events recorded around the trial (ops, their code sites, the allocator's
 counts, the two snapshots), the device's limit, total bytes and allocator settings; and what the
-probe answered, with every trial's peaks. The file is a gzipped pickle of plain Python values
-(dicts, lists, tuples, strings, numbers): `load(path)` reads it back. The snapshots are recorded
-without stack traces (the predictor records none), so they hold sizes, addresses and actions only.
+probe answered, with every trial's peaks; and each other trial of the search (those near the limit,
+those that ran out) with the allocator's history recorded around it alone (`searched`: its two
+snapshots, whether it fitted, its reserved peak and out-of-memory message). The file is a gzipped
+pickle of plain Python values (dicts, lists, tuples, strings, numbers): `load(path)` reads it back.
+The snapshots are recorded without stack traces (the predictor records none), so they hold sizes,
+addresses and actions only.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import pickle
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +32,7 @@ def record(memory: str) -> dict[str, Any]:
 
     from autotune.engine import predict
     from autotune.engine.probe import ProbeRequest, run_probe
+    from autotune.engine.trial import TrialRunner
 
     trials: list[dict[str, Any]] = []
     original = predict.traced_timeline
@@ -44,18 +50,63 @@ def record(memory: str) -> dict[str, Any]:
         )
         return original(batch, device, events)
 
+    # Every other trial (the search's, near the limit, those that ran out) with the allocator's
+    # history around it alone: its entries, its segments before, and whether it fitted.
+    searched: list[dict[str, Any]] = []
+    run_trial = TrialRunner.__call__
+
+    def tracing(runner: TrialRunner, batch: int) -> Any:
+        if timeline:  # a timeline trial, recorded by the predictor: `keeping` has it
+            return run_trial(runner, batch)
+        torch.cuda.memory._record_memory_history("all", context=None, stacks="python", max_entries=1 << 20)
+        try:
+            before = torch.cuda.memory._snapshot()
+            record = run_trial(runner, batch)
+            after = torch.cuda.memory._snapshot()
+        finally:
+            torch.cuda.memory._record_memory_history(None)
+        searched.append(
+            {
+                "batch": batch,
+                "micro_steps": runner.loop.micro_steps,
+                "fits": record.fits,
+                "peak_reserved_bytes": record.peak_reserved_bytes,
+                "oom_message": record.oom_message,
+                "before": before,
+                "after": after,
+            }
+        )
+        return record
+
+    timeline: list[bool] = []
+    recording = predict.recording
+
+    @contextlib.contextmanager
+    def marked(device: Any) -> Iterator[Any]:
+        timeline.append(True)
+        try:
+            with recording(device) as events:
+                yield events
+        finally:
+            timeline.pop()
+
     predict.traced_timeline = keeping
+    predict.recording = marked  # type: ignore[assignment]
+    TrialRunner.__call__ = tracing  # type: ignore[method-assign]
     try:
         result = run_probe(
             ProbeRequest(target="gpt", device="cuda:0", memory=memory, headroom=0, min_free_memory=0, confirm=False)
         )
     finally:
         predict.traced_timeline = original
+        predict.recording = recording  # type: ignore[assignment]
+        TrialRunner.__call__ = run_trial  # type: ignore[method-assign]
     return {
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
         "memory": memory,
         "trials": trials,
+        "searched": searched,
         "result": result.model_dump(mode="json"),
     }
 

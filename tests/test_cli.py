@@ -144,3 +144,20 @@ def test_serve_refuses_a_host_or_port_it_cannot_listen_on(workers: str, tmp_path
             assert re.fullmatch(said, line), line
             assert proc.stdout == ""
     assert not (tmp_path / "autotune.db").exists()  # refused before the store was opened
+
+
+def test_every_long_flag_is_named_in_lower_case() -> None:
+    """typer 0.27 (the GPU image's, 2026-11) took a metavar that is a flag's name in capitals for its
+    name, so that `autotune probe gpt --device cuda:0` answered "No such option: --device" there:
+    such flags name themselves (autotune/cli/options.py)."""
+    import typer.main
+
+    from autotune.cli import app
+
+    command = typer.main.get_command(app)
+    flags = {
+        name: [opt for param in sub.params for opt in (*param.opts, *param.secondary_opts) if opt.startswith("--")]
+        for name, sub in command.commands.items()  # type: ignore[attr-defined]
+    }
+    assert "--device" in flags["probe"] and {"--host", "--port"} <= set(flags["serve"])
+    assert [f for fs in flags.values() for f in fs if f != f.lower()] == []

@@ -59,6 +59,17 @@ def test_without_a_server_a_child_is_a_new_interpreter() -> None:
     assert code == 0 and said["ppid"] == os.getpid() and not said["preloaded"]
 
 
+def test_a_probe_of_a_gpu_starts_an_interpreter_per_child_even_where_a_nested_probe_would_fork() -> None:
+    """CUDA cannot run in a child forked from a process whose torch asked the driver anything (seen on
+    the H100: "Cannot re-initialize CUDA in forked subprocess"): only the budget device's probes fork."""
+    assert zygote.forks_for("cpu-budget")
+    assert not zygote.forks_for("cuda-GPU-0d4b2a7e")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with zygote.serving(zygote.forks_for("cuda-GPU-0d4b2a7e")), zygote.serving():  # run_isolated's, inside
+        said, code, _ = _run(["0"], env)
+    assert code == 0 and said["ppid"] == os.getpid() and not said["preloaded"]
+
+
 def _sleeping_child(write_end: int, *, stderr: int) -> tuple[subprocess.Popen[bytes] | zygote.Forked, int]:
     """A child that says who it is on `write_end` (closed here once passed) and then sleeps."""
     spawned = zygote.spawn(

@@ -53,9 +53,12 @@ DEFAULT_POLICY = Policy.FEWEST_STEPS.value
 GranularityOption = Annotated[int, typer.Option(metavar="G", min=1, help="Only try multiples of this (e.g. 8).")]
 
 # probe
+# A flag whose metavar is its name in capitals names itself: typer 0.27 (the GPU image's) took such
+# a metavar for the flag's name, so that `--device` became `--DEVICE`.
 DeviceOption = Annotated[
     str | None,
     typer.Option(
+        "--device",
         metavar="DEVICE",
         help="cuda, cuda:N or cpu (the budget device).  " + default_note("cuda:0 when CUDA is present, else cpu"),
     ),

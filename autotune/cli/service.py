@@ -32,8 +32,8 @@ def devices(
 
 @app.command(short_help="Run the autotune service (needs the server extra).")
 def serve(
-    host: Annotated[str, typer.Option(metavar="HOST", help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(metavar="PORT", min=1, max=65535, help="Port to listen on.")] = 8000,
+    host: Annotated[str, typer.Option("--host", metavar="HOST", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", metavar="PORT", min=1, max=65535, help="Port to listen on.")] = 8000,
     workers: Annotated[
         int,
         typer.Option(

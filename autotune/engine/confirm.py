@@ -450,7 +450,10 @@ def probe_and_confirm(
     The device's lock (`autotune.engine.lock`) is held throughout, by this process for all of the
     probe's: while another probe holds it, this one waits (`on_wait` hears who holds it), or
     raises DeviceBusyError with `wait_for_device=False`."""
-    with lock.device_lock(request.device, wait=wait_for_device, on_wait=on_wait), zygote.serving():
+    with (
+        lock.device_lock(request.device, wait=wait_for_device, on_wait=on_wait) as device_key,
+        zygote.serving(zygote.forks_for(device_key)),
+    ):
         result = _probe_and_confirm(request, timeout, in_process, on_trial, on_run, on_progress)
         if request.compare_allocator_config is not None:
             result = _compared(result, request, timeout, in_process)

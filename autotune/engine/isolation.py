@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from autotune import errors
-from autotune.engine import zygote
+from autotune.engine import lock, zygote
 
 if TYPE_CHECKING:
     from autotune.engine.probe import ProbeRequest, TrialCallback
@@ -122,7 +122,7 @@ def run_isolated(
     The child is forked by this process's fork server (`autotune.engine.zygote`; inside
     `probe_and_confirm`, the probe's), so probes run one after another in a process import torch
     once."""
-    with zygote.serving():
+    with zygote.serving(zygote.forks_for(lock.device_key(request.device))):
         return _run_isolated(request, timeout, on_trial, on_progress)
 
 

@@ -309,16 +309,24 @@ def _device_trace(snapshot: Mapping[str, Any], device: int) -> list[Mapping[str,
 
 
 def _trial_entries(before: Mapping[str, Any], after: Mapping[str, Any], device: int) -> list[Mapping[str, Any]]:
-    """The entries recorded between the two snapshots. Taking a snapshot appends a 'snapshot' entry
-    to the trace it returns: the trial's entries follow the one ending the first snapshot's trace,
-    until the one ending the second's. Where the ring buffer (max_entries) wrapped during the
-    trial, the first one is no longer where it was, and the trial's first entries are gone."""
+    """The entries recorded between the two snapshots. Taking a snapshot records a 'snapshot'
+    entry, which marks where the trial begins: torch 2.11 records it after copying the trace it
+    returns (the H100's traces: the first snapshot's entry opens what the second returns, which ends
+    without its own), earlier versions before (each trace ends with its own). Either way the
+    trial's entries follow the first snapshot's entry, up to the end or the second's. Where the ring
+    buffer (max_entries) wrapped during the trial, the entries before it are no longer where they
+    were, and the trial's first entries are gone."""
     first, last = _device_trace(before, device), _device_trace(after, device)
-    if not first or first[-1].get("action") != "snapshot" or not last or last[-1].get("action") != "snapshot":
-        raise UnusableTrace("the allocator's history was not recorded around the trial")
-    if len(last) <= len(first) or last[len(first) - 1] != first[-1]:
+    # Where the first snapshot's entry is: ending the trace it returned, or just after it.
+    mark = len(first) - 1 if first and first[-1].get("action") == "snapshot" else len(first)
+    if len(last) <= mark or last[mark].get("action") != "snapshot":
+        if not last or all(entry.get("action") != "snapshot" for entry in last):
+            raise UnusableTrace("the allocator's history was not recorded around the trial")
         raise UnusableTrace("the allocator's history lost the trial's first entries (more than max_entries)")
-    return last[len(first) : -1]
+    if mark and last[mark - 1] != first[mark - 1]:  # the entries before it moved: the buffer wrapped
+        raise UnusableTrace("the allocator's history lost the trial's first entries (more than max_entries)")
+    end = len(last) - 1 if last[-1].get("action") == "snapshot" and len(last) - 1 > mark else len(last)
+    return last[mark + 1 : end]
 
 
 def _segments(snapshot: Mapping[str, Any], device: int) -> list[Mapping[str, Any]]:
@@ -705,12 +713,34 @@ def recording(device: ProbeDevice) -> AbstractContextManager[list[Event]]:
 def traced_timeline(batch: int, device: ProbeDevice, events: Sequence[Event]) -> Timeline:
     """The Timeline of a CUDA trial from its trace (`parse_snapshots`), its allocations placed in
     the ops `_cuda_timeline` recorded. Raises UnusableTrace when it has none or cannot be used."""
+    index = device.torch_device.index
+    return timeline_of_trace(
+        batch,
+        events,
+        device=torch.cuda.current_device() if index is None else index,
+        limit_bytes=device.limit_bytes,
+        total_bytes=device.total_bytes,
+        allocator_config=device.allocator_config,
+    )
+
+
+def timeline_of_trace(
+    batch: int,
+    events: Sequence[Event],
+    *,
+    device: int,
+    limit_bytes: int,
+    total_bytes: int | None,
+    allocator_config: str | None,
+) -> Timeline:
+    """`traced_timeline` of events recorded on cuda:`device` (here, or on a GPU and kept: the
+    H100's traces in bench/results replay on the CPU through this)."""
     recorded = next((what for kind, what, _ in events if kind == "trace"), None)
     if recorded is None:
         raise UnusableTrace("no trace was recorded (the allocator's history is off, or already recorded)")
     before, after, (allocs, frees) = recorded
     try:
-        config = AllocatorConfig.parse(device.allocator_config)
+        config = AllocatorConfig.parse(allocator_config)
     except ValueError as exc:
         raise UnusableTrace(f"the model does not follow the allocator's settings: {exc}") from exc
     ops: list[OpMark] = []
@@ -723,14 +753,13 @@ def traced_timeline(batch: int, device: ProbeDevice, events: Sequence[Event]) ->
             sites.append(what)
         elif kind == "count":
             ops.append((name, what[0] - allocs, what[1] - frees))
-    index = device.torch_device.index
     return parse_snapshots(
         batch,
         before,
         after,
-        device=torch.cuda.current_device() if index is None else index,
-        limit_bytes=device.limit_bytes,
-        total_bytes=device.total_bytes,
+        device=device,
+        limit_bytes=limit_bytes,
+        total_bytes=total_bytes,
         config=config,
         ops=ops,
         sites=sites,

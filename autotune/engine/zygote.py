@@ -6,10 +6,12 @@ importing torch costs 2-3 s a process on a small machine, more than a small tria
 started three or four. So `probe_and_confirm` starts one server for the probe (`python -m
 autotune.engine.zygote`, a new interpreter with the caller's `sys.path`), which imports torch and
 autotune's engine and then forks one child per run. A child is still a process of its own: its own
-address space, its own CUDA context and allocator (the server never initializes CUDA, which would
-make forking unsafe, and never imports a workload: the child does, as a new process would), its
-own session, stdin, stdout and stderr as the caller asked; it runs the same entry point
+address space and allocator (the server never imports a workload: the child does, as a new process
+would), its own session, stdin, stdout and stderr as the caller asked; it runs the same entry point
 (`python -m autotune.engine.isolation` / `confirm`) as a spawned interpreter would.
+
+Only probes on the CPU budget device fork (`forks_for`): a GPU probe's children start interpreters,
+as CUDA cannot run in a child forked from a process whose torch has asked the driver anything.
 
 `serving()` marks a probe's calls; `spawn` forks from its server (taken at the first child) or,
 without one, starts an interpreter. A forked child is a `Forked`, which the callers use as they use
@@ -49,6 +51,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import IO, Any
 
@@ -72,10 +75,10 @@ def child_env() -> dict[str, str]:
 class _Serving:
     """A probe's claim on a server, taken at its first child (a probe may need none)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fork: bool = True) -> None:
         self.thread = threading.current_thread()  # a probe's runs are sequential, in its thread
         self.zygote: Zygote | None = None
-        self.failed = False
+        self.failed = not fork  # a probe that forks nothing starts an interpreter per child
 
     def get(self) -> Zygote | None:
         if self.zygote is None and not self.failed:
@@ -169,9 +172,11 @@ def _serving_here() -> _Serving | None:
 
 
 @contextlib.contextmanager
-def serving() -> Iterator[None]:
-    """Fork the probe's processes in the block from one server (one interpreter's start for all)."""
-    claim = _Serving()
+def serving(fork: bool = True) -> Iterator[None]:
+    """Fork the probe's processes in the block from one server (one interpreter's start for all).
+    `fork=False` (a probe on a GPU: see `forks_for`): each starts an interpreter instead, here and in
+    any `serving()` nested in the block."""
+    claim = _Serving(fork)
     with _current_lock:
         _current.append(claim)
     interrupted = True
@@ -191,6 +196,17 @@ def serving() -> Iterator[None]:
                 claim.zygote.close()
             else:
                 _give_back(claim.zygote)
+
+
+def forks_for(device_key: str) -> bool:
+    """Whether a probe of the device (its lock's key, `lock.device_key`) forks its processes from a
+    server: on the CPU budget device only. CUDA cannot be used in a child forked from a process in
+    which torch has asked the driver anything (torch.cuda.is_available(), device_count(): torch
+    marks the fork bad, and the child's first CUDA call raises "Cannot re-initialize CUDA in forked
+    subprocess"), and the server's imports and warm-up cannot be kept from doing so by every torch
+    and library version: seen on the H100 (torch 2.11), 2026-11-26. A GPU probe's trials take far
+    longer than an interpreter's start, which is all the server saves."""
+    return device_key == "cpu-budget"
 
 
 def spawn(
@@ -493,7 +509,12 @@ def _serve_until_closed(sock: socket.socket, running: list[int]) -> None:
 
 def _fork(header: dict[str, Any], fds: list[int], sock: socket.socket) -> int:
     server = os.getpid()
-    pid = os.fork()
+    with warnings.catch_warnings():
+        # Python 3.12 warns of any fork of a process with threads; the server's are torch's intra-op
+        # workers, idle between trials, whose pools torch rebuilds in a forked child (its at-fork
+        # handlers, as for a DataLoader's workers). The warning would reach every probe's stderr.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
     if pid:
         for fd in fds:
             os.close(fd)
