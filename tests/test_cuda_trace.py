@@ -6,8 +6,10 @@ the CUDA path with only `torch.cuda.memory`'s recording, snapshot and counters s
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -26,10 +28,13 @@ from autotune.engine.predict import (
     predicted_search,
     record_trial,
     recording,
+    same_ops,
+    timeline_of_trace,
     traced_timeline,
 )
 from autotune.engine.trial import TrialRunner
 from autotune.workloads.targets import resolve
+from tests.benches import ROOT, load_bench
 
 Entry = dict[str, Any]
 LIMIT = 64 * MiB
@@ -429,7 +434,59 @@ def test_on_cuda_a_trace_that_lost_its_start_falls_back_to_the_allocated_bytes(
     assert isinstance(model, EnvelopeModel)
 
 
-# On a GPU (marked `cuda`: skipped without one; not yet run, as no session that built it had one) ----
+# The H100's own traces (bench/record_cuda_trace.py, torch 2.11, 2026-11-26) -----------------------
+H100_TRACES = sorted((ROOT / "bench" / "results").glob("h100_trace_*.pkl.gz"))
+
+
+def _at_own_sizes(timeline: Timeline) -> StorageModel:
+    """A StorageModel that gives every storage of the trial its recorded size at the trial's batch."""
+    log = timeline.storages
+    assert log is not None
+    sizes = np.asarray(log.nbytes, dtype=np.int64)
+    return StorageModel(
+        timeline.batch,
+        timeline.batch + 1,
+        len(timeline.ops),
+        log.base,
+        np.asarray(log.born_at, dtype=np.int64),
+        np.asarray(log.died_at, dtype=np.int64),
+        sizes,
+        sizes,
+        np.asarray([at for at, _ in log.older_deaths], dtype=np.int64),
+        np.asarray([n for _, n in log.older_deaths], dtype=np.int64),
+    )
+
+
+@pytest.mark.parametrize("path", H100_TRACES, ids=lambda path: path.name)
+def test_the_h100_s_traces_replay_through_the_allocator_model_to_the_byte(path: Path) -> None:
+    """Each timeline trial the H100's probe recorded (gpt, 512 MiB and 2 GiB) parses into its
+    timeline, and the allocator model, replaying its allocations from the allocator as the trial found
+    it, reserves to the byte what the H100's allocator reserved (and the trial measured)."""
+    document = load_bench("record_cuda_trace").load(path)
+    measured = {t["batch"]: t["peak_reserved_bytes"] for t in document["result"]["trials"] if t["micro_steps"] == 1}
+    assert len(document["trials"]) == 3
+    timelines = {}
+    for trial in document["trials"]:
+        batch = trial["batch"]
+        timeline = timeline_of_trace(
+            batch,
+            trial["events"],
+            device=trial["device_index"] or 0,
+            limit_bytes=trial["limit_bytes"],
+            total_bytes=trial["total_bytes"],
+            allocator_config=trial["allocator_config"],
+        )
+        assert timeline.trace is not None and timeline.trace.reserved_peak == measured[batch]
+        replay = ReplayModel(_at_own_sizes(timeline), timeline.trace, trial["limit_bytes"])
+        assert replay.peak(batch) == measured[batch] < trial["limit_bytes"]
+        timelines[batch] = timeline
+    # Why the probe predicted from the allocated bytes there (`prediction.exact` false): batch 2's
+    # trial settled a step sooner (other ops), and at 8 reductions made temporaries that 4's did not.
+    assert not same_ops(timelines[2], timelines[4])
+    assert same_ops(timelines[4], timelines[8]) and StorageModel.fit(timelines[4], timelines[8]) is None
+
+
+# On a GPU (marked `cuda`: skipped without one; first run on the H100, 2026-11-26) -------------------
 @pytest.mark.cuda
 def test_on_a_gpu_the_timeline_trials_replay_through_the_allocator_model() -> None:
     from autotune.devices.cuda import CudaDevice
@@ -445,10 +502,10 @@ def test_on_a_gpu_the_timeline_trials_replay_through_the_allocator_model() -> No
             timelines[batch] = traced_timeline(batch, device, events)  # if not usable, it says why
             trace = timelines[batch].trace
             assert trace is not None and trace.reserved_peak == record.peak_reserved_bytes
-        _, model = predict(timelines[2], timelines[4], device.limit_bytes)
-        assert isinstance(model, ReplayModel), "the replay does not reproduce the trials' reserved peaks"
+        # On the H100 these two did not pair (see the test above), so no replay is claimed; the
+        # search answers all the same, verified by trials.
         found = predicted_search(runner, device, limit_bytes=device.limit_bytes)
-        assert isinstance(found.model, ReplayModel) and found.prediction.first_guess is None
+        assert found.outcome.max_micro_batch is not None and found.prediction.predicted_max_micro_batch is not None
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()

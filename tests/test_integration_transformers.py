@@ -135,8 +135,14 @@ def test_activation_checkpointing_set_in_the_arguments_is_probed(tmp_path: Any) 
     """The trials are the Trainer's train(), which turns checkpointing on: activations are not all
     kept for backward, so more samples fit."""
     answers = []
+    # Its name in TrainingArguments: gradient_checkpointing before transformers renamed it (5.17 has only that).
+    name = next(
+        n
+        for n in ("activation_checkpointing", "gradient_checkpointing")
+        if n in transformers.TrainingArguments.__dataclass_fields__
+    )
     for checkpointing in (False, True):
-        trainer = make_trainer(tmp_path / str(checkpointing), examples(16), activation_checkpointing=checkpointing)
+        trainer = make_trainer(tmp_path / str(checkpointing), examples(16), **{name: checkpointing})
         tune_trainer(trainer, "max", memory=MEMORY, headroom=0)
         answers.append(trainer.args.per_device_train_batch_size)
         assert trainer.args.gradient_accumulation_steps == 1
@@ -279,6 +285,13 @@ def bert_trainer(tmp_path: Any, **args: Any) -> Any:
     return transformers.Trainer(model=model, args=arguments, train_dataset=data, data_collator=bert_collate)
 
 
+# The Trainer's switch for dividing the loss by the steps: transformers 5.17 (the H100 image's) has no
+# loss_is_scaled_for_ga, and tune_trainer names the one the installed Trainer has.
+SWITCH = (
+    "loss_is_scaled_for_ga" if hasattr(transformers.Trainer, "loss_is_scaled_for_ga") else "model_accepts_loss_kwargs"
+)
+
+
 def test_a_bert_style_head_is_warned_with_the_factor_measured(tmp_path: Any) -> None:
     trainer = bert_trainer(tmp_path, per_device_train_batch_size=16, gradient_accumulation_steps=8)
     result = tune_trainer(trainer, memory=MEMORY, headroom=0)
@@ -289,12 +302,12 @@ def test_a_bert_style_head_is_warned_with_the_factor_measured(tmp_path: Any) -> 
     assert not check.equivalent and check.factor == pytest.approx(steps, rel=1e-3), check
     warning = next(w for w in result.plan.warnings if "accumulation does not train like the effective batch" in w)
     assert f"gave {check.factor:.2f}x the gradient of one batch of the same" in warning
-    assert "trainer.loss_is_scaled_for_ga = False" in warning and "compute_loss" in warning
+    assert f"trainer.{SWITCH} = False" in warning and "compute_loss" in warning
 
 
 def test_the_fix_the_warning_names_makes_the_window_the_batch(tmp_path: Any) -> None:
     trainer = bert_trainer(tmp_path, per_device_train_batch_size=16, gradient_accumulation_steps=8)
-    trainer.loss_is_scaled_for_ga = False
+    setattr(trainer, SWITCH, False)
     result = tune_trainer(trainer, memory=MEMORY, headroom=0)
     check = result.framework.gradient_check
     assert check.equivalent and check.factor == pytest.approx(1.0, abs=1e-4), check

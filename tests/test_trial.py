@@ -86,13 +86,14 @@ def test_one_hundred_ooms_on_cuda_leak_nothing() -> None:
     assert runner(1).fits
     baseline = torch.cuda.memory_allocated()
     # Each trial starts without cuBLAS's workspaces (CudaDevice.empty_cache), which a trial that
-    # fitted leaves and one that ran out before its first matmul never remade: after the first OOM
-    # less is allocated than after a fit (13.5 MB on the H100, 2026-11-26), and then never more.
+    # fitted leaves and one that ran out may or may not have remade: after an OOM up to 13.5 MB less
+    # is allocated than after a fit (two values on the H100, 2026-11-26), never more: anything an OOM
+    # left behind would pile up over a hundred of them.
     after_oom = []
     for _ in range(100):
         assert not runner(4096).fits
         after_oom.append(torch.cuda.memory_allocated())
-    assert max(after_oom) <= baseline and len(set(after_oom)) == 1
+    assert max(after_oom) <= baseline
     assert runner(1).fits
     torch.cuda.set_per_process_memory_fraction(1.0)
 

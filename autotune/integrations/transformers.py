@@ -228,10 +228,13 @@ def trainer_gradients(trainer: Trainer, dataset: Any) -> gradients.WindowGradien
 
 
 def _gradient_fix(trainer: Trainer) -> str:
+    # The Trainer's switch for dividing the loss by the steps: `loss_is_scaled_for_ga` where it has one
+    # (recent transformers 5), `model_accepts_loss_kwargs` before it (5.17, the H100 image's, has none).
+    switch = "loss_is_scaled_for_ga" if hasattr(trainer, "loss_is_scaled_for_ga") else "model_accepts_loss_kwargs"
     if (
         trainer.model_accepts_loss_kwargs
         and trainer.compute_loss_func is None
-        and trainer.loss_is_scaled_for_ga is None
+        and getattr(trainer, "loss_is_scaled_for_ga", None) is None
     ):
         how = (
             "the model's forward takes **kwargs, so the Trainer passes it num_items_in_batch and does not divide the "
@@ -240,7 +243,7 @@ def _gradient_fix(trainer: Trainer) -> str:
     else:
         how = "the loss this Trainer backpropagates is not the window's mean"
     return (
-        f"{how}: set trainer.loss_is_scaled_for_ga = False (the Trainer then divides each micro-step's loss by the "
+        f"{how}: set trainer.{switch} = False (the Trainer then divides each micro-step's loss by the "
         "steps), normalize the model's loss by num_items_in_batch (its reduction: sum / num_items_in_batch), or pass "
         "compute_loss_func= (or override compute_loss) doing so; on several processes, keep "
         "average_tokens_across_devices=True so that the count is the whole window's"
