@@ -6,7 +6,12 @@
 # replay (bench/record_cuda_trace.py), then the whole-card case alone. Everything lands in
 # $OUT/gpu.tgz; $OUT/summary.log says what ran and how long.
 #
-#     PYTHONPATH=. bench/gpu_checks.sh [SECONDS]     # SECONDS: the whole run's deadline, default 540
+#     PYTHONPATH=. bench/gpu_checks.sh [SECONDS [CHECK...]]
+#
+# SECONDS: the whole run's deadline (default 540). CHECKs (default: tests traces capped trainer card):
+# tests, traces (bench/record_cuda_trace.py at 512 MiB and 2 GiB), capped (cuda_truth's gpt cases at
+# 512 MiB, 512 MiB with expandable segments and 2 GiB), trainer (cuda_truth's trainer:2GiB), loops
+# (bench/trace_loops.py: the plain loop and the trial runner's near the 2 GiB answer), card.
 #
 # Without pydantic on the machine, carry its wheels in .whl (docs/measurements.md says which).
 set -u
@@ -41,28 +46,51 @@ truth() { # case steps
 	log "truth $1 ($2 steps): rc $?"
 }
 
-log "group 1: the cuda tests, the traces, the capped cases, side by side"
-(
-	timeout 290 python3 -m pytest -m cuda -p no:cacheprovider -W default -q -rA \
-		tests/test_gpu.py tests/test_trial.py tests/test_cuda_trace.py tests/test_breakdown.py >"$R/pytest_cuda.log" 2>&1
-	log "pytest -m cuda: rc $? ($(tail -1 "$R/pytest_cuda.log"))"
-) &
-(
-	for memory in 512MiB 2GiB; do
-		own_locks timeout 140 python3 bench/record_cuda_trace.py --memory $memory \
-			--out "$R/h100_trace_$memory.pkl.gz" >"$R/trace_$memory.log" 2>&1
-		log "trace $memory: rc $? ($(tail -1 "$R/trace_$memory.log" | cut -c1-300))"
+shift || true
+checks=${*:-tests traces capped trainer card}
+want() { [[ " $checks " == *" $1 "* ]]; }
+loops() { # the plain loop and the trial runner's at 2 GiB, one micro-step, near the answer
+	for spec in plain:137 trial:137 plain:136 plain:135; do
+		(
+			own_locks timeout 200 python3 bench/trace_loops.py --loop "${spec%%:*}" --batch "${spec##*:}" \
+				--memory 2GiB --steps 20 --out "$R/loop_${spec/:/_}.pkl.gz" >"$R/loop_${spec/:/_}.log" 2>&1
+			log "loop $spec: rc $? ($(tail -1 "$R/loop_${spec/:/_}.log" | cut -c1-300))"
+		) &
 	done
-) &
-truth gpt:512MiB 200 &
-truth gpt:512MiB:expandable 200 &
-truth gpt:2GiB 200 &
-truth trainer:2GiB 100 &
+	wait
+}
+
+log "group 1 ($checks): side by side"
+if want tests; then
+	(
+		timeout 290 python3 -m pytest -m cuda -p no:cacheprovider -W default -q -rA \
+			tests/test_gpu.py tests/test_trial.py tests/test_cuda_trace.py tests/test_breakdown.py >"$R/pytest_cuda.log" 2>&1
+		log "pytest -m cuda: rc $? ($(tail -1 "$R/pytest_cuda.log"))"
+	) &
+fi
+if want traces; then
+	(
+		for memory in 512MiB 2GiB; do
+			own_locks timeout 140 python3 bench/record_cuda_trace.py --memory $memory \
+				--out "$R/h100_trace_$memory.pkl.gz" >"$R/trace_$memory.log" 2>&1
+			log "trace $memory: rc $? ($(tail -1 "$R/trace_$memory.log" | cut -c1-300))"
+		done
+	) &
+fi
+if want capped; then
+	truth gpt:512MiB 200 &
+	truth gpt:512MiB:expandable 200 &
+	truth gpt:2GiB 200 &
+fi
+want trainer && truth trainer:2GiB 100 &
+want loops && loops &
 wait
 log "group 1 done"
 
 left=$((deadline - ($(date +%s) - start) - 10))
-if [ "$left" -gt 60 ]; then
+if ! want card; then
+	:
+elif [ "$left" -gt 60 ]; then
 	log "the whole card, alone (${left}s left)"
 	AUTOTUNE_LOCK_DIR=$(mktemp -d) timeout "$left" python3 bench/cuda_truth.py --case gpt:card --steps 10 \
 		--json "$R/truth_gpt_card.json" --results "$R/results" >"$R/truth_gpt_card.log" 2>&1
@@ -71,6 +99,7 @@ else
 	log "no time left for the whole card"
 fi
 for f in "$R"/truth_*.log; do
+	[ -e "$f" ] || continue
 	echo "== $f" >>"$R/summary.log"
 	grep -E "^\|" "$f" >>"$R/summary.log"
 done

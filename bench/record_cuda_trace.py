@@ -53,22 +53,22 @@ def record(memory: str) -> dict[str, Any]:
     # Every other trial (the search's, near the limit, those that ran out) with the allocator's
     # history around it alone: its entries, its segments before, and whether it fitted.
     searched: list[dict[str, Any]] = []
-    run_trial = TrialRunner.__call__
+    run_trial = TrialRunner.run
 
-    def tracing(runner: TrialRunner, batch: int) -> Any:
+    def tracing(runner: TrialRunner, batch: int, loop: Any) -> Any:
         if timeline:  # a timeline trial, recorded by the predictor: `keeping` has it
-            return run_trial(runner, batch)
+            return run_trial(runner, batch, loop)
         torch.cuda.memory._record_memory_history("all", context=None, stacks="python", max_entries=1 << 20)
         try:
             before = torch.cuda.memory._snapshot()
-            record = run_trial(runner, batch)
+            record = run_trial(runner, batch, loop)
             after = torch.cuda.memory._snapshot()
         finally:
             torch.cuda.memory._record_memory_history(None)
         searched.append(
             {
                 "batch": batch,
-                "micro_steps": runner.loop.micro_steps,
+                "micro_steps": loop.micro_steps,
                 "fits": record.fits,
                 "peak_reserved_bytes": record.peak_reserved_bytes,
                 "oom_message": record.oom_message,
@@ -92,7 +92,7 @@ def record(memory: str) -> dict[str, Any]:
 
     predict.traced_timeline = keeping
     predict.recording = marked  # type: ignore[assignment]
-    TrialRunner.__call__ = tracing  # type: ignore[method-assign]
+    TrialRunner.run = tracing  # type: ignore[method-assign]
     try:
         result = run_probe(
             ProbeRequest(target="gpt", device="cuda:0", memory=memory, headroom=0, min_free_memory=0, confirm=False)
@@ -100,7 +100,7 @@ def record(memory: str) -> dict[str, Any]:
     finally:
         predict.traced_timeline = original
         predict.recording = recording  # type: ignore[assignment]
-        TrialRunner.__call__ = run_trial  # type: ignore[method-assign]
+        TrialRunner.run = run_trial  # type: ignore[method-assign]
     return {
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
