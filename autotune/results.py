@@ -187,6 +187,11 @@ class TrialRecord(BaseModel):
     steps: int | None = Field(
         default=None, description="Optimizer steps the trial ran (None in results from before it was recorded)."
     )
+    limit_bytes: int | None = Field(
+        default=None,
+        description="For a confirmation run under a limit other than the result's: the limit it ran under (a size at "
+        "the allocator's edge runs again with EDGE_MARGIN_BYTES less; see autotune.engine.confirm).",
+    )
     allocator: AllocatorState | None = Field(
         default=None,
         description="The caching allocator's counters after the trial's last step; None on a device without "

@@ -7,8 +7,11 @@ import os
 
 import pytest
 
-from autotune.engine.confirm import checks_for, probe_and_confirm
+from autotune.devices.allocator import MiB
+from autotune.engine.confirm import EDGE_MARGIN_BYTES, FreshRun, checks_for, confirm_answers, probe_and_confirm
 from autotune.engine.probe import ProbeRequest
+from autotune.results import AllocatorState, LoopShape, TrialRecord
+from tests.serving import make_result
 
 HUNGRY = "tests.workloads:fresh_process_hungry"
 
@@ -88,3 +91,57 @@ def test_lowering_the_one_micro_step_answer_confirms_the_accumulation_answer_in_
     # The lowered answer keeps its evidence, so the service accepts it when published.
     assert result.trial_at_answer is not None and result.trial_at_answer.fits
     assert any(t.batch == answer + 1 and not t.fits for t in result.evidence())
+
+
+def _at_an_allocator_s_edge(limit: int, edge: int) -> tuple[list[tuple[int, int]], FreshRun]:
+    """A fresh run as a GPU's gives it: a sample costs 1 MiB, and a size within `edge` of the limit
+    it runs under fits only by the allocator freeing its cache and retrying (retries > 0)."""
+    ran: list[tuple[int, int]] = []
+
+    def fresh_run(batch: int, loop: LoopShape, below_limit: int) -> TrialRecord:
+        ran.append((batch, below_limit))
+        peak, under = batch * MiB, limit - below_limit
+        state = AllocatorState(reserved_bytes=peak, segments=1, retries=int(peak > under - edge), device_allocations=1)
+        fits = peak <= under
+        return TrialRecord(
+            batch=batch,
+            fits=fits,
+            micro_steps=loop.micro_steps,
+            peak_allocated_bytes=peak,
+            seconds=0.1,
+            allocator=state,
+            limit_bytes=under if below_limit else None,
+            oom_message=None if fits else "CUDA out of memory.",
+        )
+
+    return ran, fresh_run
+
+
+def test_a_size_that_fits_only_by_the_allocator_s_retry_must_fit_with_less_or_it_steps_down() -> None:
+    """H100 (gpt at 2 GiB): 137 fitted the confirmation with two retries and ran out in a plain loop."""
+    limit = 100 * MiB
+    request = ProbeRequest(target="mlp", device="cpu", memory=limit, headroom=0)
+    result = make_result(max_micro_batch=100, total_bytes=limit, headroom_bytes=0, limit_bytes=limit)
+    ran, fresh_run = _at_an_allocator_s_edge(limit, edge=8 * MiB)
+    confirmed = confirm_answers(result, request, fresh_run)
+    assert confirmed.confirmation is not None and confirmed.confirmation.status == "stepped-down"
+    # 100 fitted with a retry, then not with 4 MiB less; 96 is the largest that fits with 4 MiB less.
+    assert ran[:2] == [(100, 0), (100, EDGE_MARGIN_BYTES)]
+    assert confirmed.max_micro_batch == 100 - EDGE_MARGIN_BYTES // MiB
+    [check] = confirmed.confirmation.checks
+    assert [r.limit_bytes for r in check.runs if r.batch == 100] == [None, limit - EDGE_MARGIN_BYTES]
+    assert any(r.batch == confirmed.max_micro_batch and r.fits and r.limit_bytes for r in check.runs)
+
+
+def test_a_size_clear_of_the_edge_runs_once_and_one_at_the_edge_that_fits_with_less_says_so() -> None:
+    limit = 100 * MiB
+    request = ProbeRequest(target="mlp", device="cpu", memory=limit, headroom=0)
+    clear = make_result(max_micro_batch=80, total_bytes=limit, headroom_bytes=0, limit_bytes=limit)
+    ran, fresh_run = _at_an_allocator_s_edge(limit, edge=8 * MiB)
+    passed = confirm_answers(clear, request, fresh_run).confirmation
+    assert passed is not None and passed.status == "passed" and ran == [(80, 0)] and "retrying" not in passed.note
+    near = make_result(max_micro_batch=94, total_bytes=limit, headroom_bytes=0, limit_bytes=limit)
+    ran, fresh_run = _at_an_allocator_s_edge(limit, edge=8 * MiB)
+    passed = confirm_answers(near, request, fresh_run).confirmation
+    assert passed is not None and passed.status == "passed" and ran == [(94, 0), (94, EDGE_MARGIN_BYTES)]
+    assert "ran again with 4.0 MiB less" in passed.note

@@ -156,8 +156,9 @@ class _Lines:
             self.view.confirmed(t)
             verdict = "fits" if t.fits else "OOM"
             loop = f"{t.micro_steps} micro-steps" if t.micro_steps > 1 else "1 micro-step"
+            under = "" if t.limit_bytes is None else f"; at the allocator's edge, under {format_bytes(t.limit_bytes)}"
             self.say(
-                f"confirm: batch {t.batch} in a fresh process ({loop} per optimizer step): {verdict}, "
+                f"confirm: batch {t.batch} in a fresh process ({loop} per optimizer step{under}): {verdict}, "
                 f"peak {format_bytes(t.peak_reserved_bytes)}, {t.seconds:.2f} s"
             )
 

@@ -215,7 +215,12 @@ def _confirmation_lines(result: ProbeResult) -> list[str]:
         return [f"  {escape(c.note or '')}"]
     lines = []
     for check in c.checks:
-        sizes = ", ".join(f"{r.batch} {'fits' if r.fits else 'OOM'}{_run_seconds(r)}" for r in check.runs)
+        sizes = ", ".join(
+            f"{r.batch} {'fits' if r.fits else 'OOM'}"
+            + ("" if r.limit_bytes is None else f" under {format_bytes(r.limit_bytes)}")
+            + _run_seconds(r)
+            for r in check.runs
+        )
         lines.append(
             f"  confirmed in a fresh process: {check.answer} {check.confirmed} "
             f"({check.loop.micro_steps} micro-step(s) × {check.loop.steps} optimizer steps; runs: {sizes})"
