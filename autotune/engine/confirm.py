@@ -11,7 +11,9 @@ optimizer steps of up to `CONFIRM_MICRO_STEPS` micro-steps when the loop accumul
 When a size runs out of memory there, the answer steps down (a few more runs, each in its own fresh
 process: a guess from the failed run, then wider steps, then a bisection) to the largest size that passes, the
 plan is made again from the lowered answers, and whatever the new plan runs is confirmed in turn.
-The result's `confirmation` says what ran, what passed and what changed.
+A run that fitted only by the caching allocator freeing its cache and retrying is at the edge,
+where details of the loop decide: that size runs again with EDGE_MARGIN_BYTES less, and steps down
+if it does not fit there. The result's `confirmation` says what ran, what passed and what changed.
 
 A run's progress (the process starting, then each micro-step, throttled) streams back as it goes,
 for the command line's display; an interrupted caller kills and reaps the run's process before the
