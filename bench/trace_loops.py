@@ -53,6 +53,12 @@ def run(loop: str, memory: int, batch: int, micro_steps: int, steps: int) -> dic
     return {"loop": loop, "batch": batch, "micro_steps": micro_steps, **row, "snapshot": torch.cuda.memory._snapshot()}
 
 
+def load(path: Path) -> dict[str, Any]:
+    with gzip.open(path, "rb") as f:
+        document: dict[str, Any] = pickle.load(f)  # our own recording (trusted input)
+    return document
+
+
 def main() -> None:
     from autotune.units import parse_size
 

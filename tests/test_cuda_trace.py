@@ -435,6 +435,7 @@ def test_on_cuda_a_trace_that_lost_its_start_falls_back_to_the_allocated_bytes(
 
 
 # The H100's own traces (bench/record_cuda_trace.py, torch 2.11, 2026-11-26) -----------------------
+H100_TOTAL = 85017493504  # torch's total_memory of the H100 80GB HBM3 the traces were recorded on
 H100_TRACES = sorted((ROOT / "bench" / "results").glob("h100_trace_*.pkl.gz"))
 
 
@@ -484,6 +485,47 @@ def test_the_h100_s_traces_replay_through_the_allocator_model_to_the_byte(path: 
     # trial settled a step sooner (other ops), and at 8 reductions made temporaries that 4's did not.
     assert not same_ops(timelines[2], timelines[4])
     assert same_ops(timelines[4], timelines[8]) and StorageModel.fit(timelines[4], timelines[8]) is None
+
+
+def _replayed(trace: list[dict[str, Any]], model: CachingAllocatorModel) -> tuple[bool, int, int]:
+    """A whole recorded history through the model, request by request: (whether it ran out where
+    the recording did, or never if the recording fitted; the model's and the recording's reserved peaks)."""
+    held: dict[int, int] = {}
+    reserved = peak = 0
+    for entry in trace:
+        action, size = entry["action"], int(entry.get("size", 0))
+        if action == "segment_alloc":
+            reserved += size
+            peak = max(peak, reserved)
+        elif action == "segment_free":
+            reserved -= size
+        elif action == "alloc":
+            held[entry["addr"]] = model.malloc(size)  # an OOM here: the model ran out where CUDA did not
+        elif action == "free_completed" and entry["addr"] in held:
+            model.free(held.pop(entry["addr"]))
+        elif action == "oom":
+            with pytest.raises(AllocatorOutOfMemory):
+                model.malloc(size)
+            return True, model.stats().peak_reserved_bytes, peak
+    return False, model.stats().peak_reserved_bytes, peak
+
+
+@pytest.mark.parametrize(
+    ("name", "ran_out"), [("h100_loop_plain_137", True), ("h100_loop_trial_137", False), ("h100_loop_plain_136", False)]
+)
+def test_the_h100_s_loops_at_the_edge_replay_to_its_outcome(name: str, ran_out: bool) -> None:
+    """Whole allocator histories of one-micro-step `gpt` loops capped at 2 GiB on the H100
+    (bench/trace_loops.py, 2026-11-26): the plain loop at 137 ran out at step 2 asking for 274 MiB;
+    the trial runner's loop at 137 and the plain one at 136 fitted 20 steps. The model, given every
+    request in order, runs out at the same request or fits, reserving what the H100 reserved. It does
+    only with the cap counted as CUDA counts the fraction (a byte below 2 GiB): with the limit itself,
+    the plain loop's 274 MiB fitted it exactly."""
+    recorded = load_bench("trace_loops").load(ROOT / "bench" / "results" / f"{name}.pkl.gz")
+    assert recorded["fits"] is not ran_out
+    model = CachingAllocatorModel(2048 * MiB, total_bytes=H100_TOTAL)
+    ran, replayed_peak, recorded_peak = _replayed(recorded["snapshot"]["device_traces"][0], model)
+    assert ran is ran_out
+    assert replayed_peak == recorded_peak
 
 
 # On a GPU (marked `cuda`: skipped without one; first run on the H100, 2026-11-26) -------------------

@@ -45,9 +45,12 @@ The rules, as the source states them
     the fraction cap          set_per_process_memory_fraction: alloc_block fails when
                               total_allocated_memory (the reserved bytes) + get_allocation_size(size)
                               > allowed_memory_maximum -- reserved, not allocated, is what counts.
-                              Here the cap is `limit_bytes`, and the card has `total_bytes`
-                              (default: exactly `limit_bytes`), which cudaMalloc and page mapping
-                              must also fit in.
+                              Here the cap is `limit_bytes` as CUDA computes it from the fraction
+                              limit / total: allowed_memory_maximum = size_t(fraction * total), a
+                              double product that can land a byte below the limit (2 GiB of an
+                              H100: 2147483647), so a request that brings reserved memory to the
+                              limit itself fails. The card has `total_bytes` (default: exactly
+                              `limit_bytes`), which cudaMalloc and page mapping must also fit in.
     expandable_segments       one segment per pool (and stream) of virtual address space,
                               1 1/8 x the card's memory, backed by pages mapped on demand: 2 MiB
                               (kSmallBuffer) pages for the small pool, 20 MiB (kLargeBuffer) for the
@@ -385,6 +388,10 @@ class CachingAllocatorModel:
             raise ValueError(f"total_bytes {total_bytes} is below limit_bytes {limit_bytes}")
         self.limit_bytes = limit_bytes
         self.total_bytes = limit_bytes if total_bytes is None else total_bytes
+        # What set_per_process_memory_fraction(limit / total) allows (the docstring's fraction cap):
+        # the H100's own history of a loop at 2 GiB ran out where reserved memory would have reached
+        # the limit exactly, and this model replaying it let it through until it counted so.
+        self._allowed = int(limit_bytes / self.total_bytes * self.total_bytes)
         self.config = config
         self._max_split = _UNLIMITED if config.max_split_size is None else config.max_split_size
         self._expandable = config.expandable_segments
@@ -586,7 +593,7 @@ class CachingAllocatorModel:
     def _alloc_block(self, pool: _Pool, size: int, alloc_size: int, *, is_retry: bool) -> _Block | None:
         if is_retry:
             self._num_alloc_retries += 1
-        if self._reserved + alloc_size > self.limit_bytes:
+        if self._reserved + alloc_size > self._allowed:
             return None  # the fraction cap: reserved bytes plus the allocation size
         if self._expandable:
             return self._try_allocate_expandable_block(pool, size)
