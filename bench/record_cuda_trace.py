@@ -117,14 +117,18 @@ def load(path: Path) -> dict[str, Any]:
     return document
 
 
+def save(path: Path | str, document: dict[str, Any]) -> None:
+    with gzip.open(path, "wb") as f:
+        pickle.dump(document, f, protocol=4)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--memory", default="512MiB")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     document = record(args.memory)
-    with gzip.open(args.out, "wb") as f:
-        pickle.dump(document, f, protocol=4)
+    save(args.out, document)
     result = document["result"]
     print(
         f"{args.memory}: {len(document['trials'])} traced trials, answers "

@@ -5,21 +5,26 @@ autotune's trial runner (the loop a confirmation runs), so that two loops that p
 
     PYTHONPATH=. python bench/trace_loops.py --memory 2GiB --batch 137 --loop plain --steps 20 --out F.pkl.gz
 
-The file is a gzipped pickle: the loop, the size, whether it fitted (else the optimizer step and
-the message), and `torch.cuda.memory._snapshot()` taken at the end (its trace holds every
-allocation, free and segment from the model's build on, and the 'oom' entry where it ran out).
+The file is a gzipped pickle (bench/record_cuda_trace.py's `save` and `load`): the loop, the size,
+whether it fitted (else the optimizer step and the message), and `torch.cuda.memory._snapshot()`
+taken at the end (its trace holds every allocation, free and segment from the model's build on, and
+the 'oom' entry where it ran out).
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
-import pickle
 import sys
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+# The bench scripts beside this one (the plain loop, the recording's file format), also when a test
+# loads this file by its path.
+sys.path.insert(0, str(ROOT / "bench"))
+from record_cuda_trace import load, save  # noqa: E402
+
+__all__ = ["load", "run", "save"]
 
 
 def run(loop: str, memory: int, batch: int, micro_steps: int, steps: int) -> dict[str, Any]:
@@ -27,7 +32,6 @@ def run(loop: str, memory: int, batch: int, micro_steps: int, steps: int) -> dic
 
     torch.cuda.memory._record_memory_history("all", context=None, stacks="python", max_entries=1 << 21)
     if loop == "plain":
-        sys.path.insert(0, str(ROOT / "bench"))
         import cuda_truth
 
         row = cuda_truth.plain_loop(
@@ -53,12 +57,6 @@ def run(loop: str, memory: int, batch: int, micro_steps: int, steps: int) -> dic
     return {"loop": loop, "batch": batch, "micro_steps": micro_steps, **row, "snapshot": torch.cuda.memory._snapshot()}
 
 
-def load(path: Path) -> dict[str, Any]:
-    with gzip.open(path, "rb") as f:
-        document: dict[str, Any] = pickle.load(f)  # our own recording (trusted input)
-    return document
-
-
 def main() -> None:
     from autotune.units import parse_size
 
@@ -71,8 +69,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     document = run(args.loop, parse_size(args.memory), args.batch, args.micro_steps, args.steps)
-    with gzip.open(args.out, "wb") as f:
-        pickle.dump(document, f, protocol=4)
+    save(args.out, document)
     print({k: v for k, v in document.items() if k != "snapshot"})
 
 
