@@ -150,19 +150,23 @@ def start_server(
         if process.poll() is not None:
             raise AssertionError(f"server exited with {process.returncode}:\n{server.output()}")
         with contextlib.suppress(httpx.TransportError):
-            if opened(server.url, workers) if wait_open else httpx.get(f"{server.url}/healthz").status_code == 200:
+            if opened(server, workers) if wait_open else httpx.get(f"{server.url}/healthz").status_code == 200:
                 return server
         time.sleep(0.1)
     server.stop(signal.SIGKILL)
     raise AssertionError(f"server did not open its service within {startup_timeout} s:\n{server.output()}")
 
 
-def opened(url: str, workers: int = 1) -> bool:
-    """The server answers and has opened its service (store, stored results): /healthz answers from
-    the first moment and /readyz says "starting: ..." until then (on each of its workers: a new
-    connection for each ask, so that any worker may take it)."""
+def opened(server: Server, workers: int = 1) -> bool:
+    """The server answers and each of its workers has opened its service (store, stored results).
+
+    /readyz says "starting: ..." until a worker has opened it, but it answers from whichever worker
+    accepts the connection: a worker still importing accepts none, so every ask can reach the one
+    that is ready. Each worker logs its service's opening, which is what tells them all apart."""
+    if server.output().count("autotune service: node ") < workers:
+        return False
     for _ in range(4 * workers):
-        ready = httpx.get(f"{url}/readyz", timeout=5.0)
+        ready = httpx.get(f"{server.url}/readyz", timeout=5.0)
         problems = ready.json().get("problems", []) if ready.status_code in (200, 503) else ["?"]
         if any(str(problem).startswith("starting") for problem in problems):
             return False
