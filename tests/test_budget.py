@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker
 
 from autotune.devices.budget import BudgetDevice, rounded
 from autotune.workloads.examples import EXAMPLES
@@ -29,6 +28,8 @@ def _two_steps(name: str, batch_size: int) -> tuple[int, int]:
 
     model = workload.build_model()
     optimizer = workload.make_optimizer(model.parameters())
+    from torch.distributed._tools.mem_tracker import MemTracker  # 1.3 s of imports: only where it is used
+
     tracker = MemTracker()
     tracker.track_external(model, optimizer, *batch)
     with tracker:

@@ -42,6 +42,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import fcntl
+import gc
 import json
 import os
 import select
@@ -616,6 +617,11 @@ def main() -> None:
     for name in PRELOAD:
         importlib.import_module(name)
     _warm_up()
+    # What the server holds now (torch, the engine: some 300,000 objects) outlives every child: out
+    # of the collector's reach, a child's collections walk only its own objects, and do not write
+    # into the pages it shares with the server (CPython's advice for fork without exec).
+    gc.collect()
+    gc.freeze()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller ends us (stdin), not a terminal's Ctrl-C
     _serve(socket.socket(fileno=int(sys.argv[1])))
 
