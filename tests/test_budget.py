@@ -175,3 +175,26 @@ def test_state_loaded_without_copies_is_counted_when_the_step_reads_it() -> None
         model(torch.randn(4, 512)).sum().backward()
         fresh.step()
     assert device.live_bytes() - params >= 3 * params  # grads + two moments
+
+
+def test_an_ops_values_flatten_as_torchs_pytree_flattens_them() -> None:
+    """The budget device's own walk of an op's arguments and outputs finds what torch's pytree finds."""
+    from collections import OrderedDict, namedtuple
+
+    from torch.utils._pytree import tree_flatten
+
+    from autotune.devices.budget import leaves_of
+
+    pair = namedtuple("pair", "a b")
+    t = torch.ones(2)
+    values = [
+        ((t, [t, 1, None], {"x": t}), {"k": [t, (t,)]}),  # args and kwargs: Tensor[] and optional entries
+        pair(t, [t]),
+        OrderedDict(a=t, b=(t, 2.0)),
+        (torch.Size([2, 3]), t),
+        3,
+        t,
+    ]
+    for value in values:
+        ours, theirs = leaves_of(value), tree_flatten(value)[0]
+        assert len(ours) == len(theirs) and all(a is b for a, b in zip(ours, theirs, strict=True)), value
