@@ -29,12 +29,16 @@ demo: $(STAMP)
 # the order tests/conftest.py gives (the longest files first; xdist would order them by test count).
 # One torch thread per process: with two workers and their probes' children, torch's default of a
 # thread per core oversubscribes the cores and its spinning threads slow every process down.
+# Bytecode is cached even where the environment says not to (PYTHONDONTWRITEBYTECODE, as some CI
+# images set): the suite starts hundreds of interpreters and probe children, and without a cache each
+# compiled every module of autotune, api and tests it imported, and pytest rewrote every test module
+# in each worker (the CLI and progress tests took 12% more CPU; the whole suite, run side by side, 1%).
 TEST_WORKERS ?= 2
 
 test: $(STAMP) chromium
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	env -u PYTHONDONTWRITEBYTECODE OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # tests/test_status_page.py opens the service's status page in the system's Chromium (Playwright
 # drives it; it downloads no browser). As root with apt-get, a missing one is installed; the index is

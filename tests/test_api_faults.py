@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.serving import ROOT, finished_probe, make_result, running_server, wait_for
+from tests.serving import ROOT, finished_probe, free_port, make_result, running_server, wait_for
 
 TINY = {"in_features": 64, "hidden": 64, "layers": 1, "classes": 10}
 SLOW = {"workload": "gpt", "memory": "128MiB"}  # several seconds of trials on the budget device
@@ -75,8 +75,10 @@ def test_a_full_disk_keeps_job_states_true_and_readiness_honest(tmp_path: Path) 
 
 def _serve(tmp_path: Path, db: Path) -> subprocess.CompletedProcess[str]:
     env = {"PATH": "/usr/bin:/bin", "AUTOTUNE_DB": str(db), "HOME": str(tmp_path)}
+    # A free port: `serve` checks that it can listen before it opens the store (a fixed one collided
+    # when two suites ran on one machine).
     return subprocess.run(
-        [sys.executable, "-m", "autotune.cli", "serve", "--port", "1"],
+        [sys.executable, "-m", "autotune.cli", "serve", "--port", str(free_port())],
         cwd=ROOT,
         env=env,
         capture_output=True,
