@@ -73,14 +73,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 # What the workers import (torch, the frameworks, the test modules: some 450,000 objects) lives as
-# long as they do: out of the collector's reach, each collection walks only what tests made since
-# (one worker's collections took 8 s of 104, now 4). A test that thaws them (an application's own
-# gc.freeze()/unfreeze() in the integration tests) has them frozen again before the next.
-def pytest_collection_finish(session: pytest.Session) -> None:
-    gc.collect()
-    gc.freeze()
-
-
+# long as they do: frozen before the first test, out of the collector's reach, so that each
+# collection walks only what tests made since (one worker's collections took 8 s of 104, now 4). A
+# test that thaws them (an application's own gc.freeze()/unfreeze() in the integration tests) has
+# them frozen again before the next.
 @pytest.fixture(autouse=True)
 def _imports_frozen() -> None:
     if gc.get_freeze_count() == 0:

@@ -468,17 +468,12 @@ def leaves_of(value: Any) -> list[Any]:
 
 
 def _leaves(value: Any, into: list[Any]) -> None:
-    kind = type(value)
-    if kind is tuple or kind is list:
+    if isinstance(value, (tuple, list)):  # named tuples and torch.Size too, as pytree flattens them
         for item in value:
             _leaves(item, into)
-    elif kind is dict:
+    elif isinstance(value, dict):
         for item in value.values():
             _leaves(item, into)
-    elif isinstance(value, dict):  # an OrderedDict, a defaultdict
-        _leaves(list(value.values()), into)
-    elif isinstance(value, (tuple, list)):  # a named tuple, a torch.Size
-        _leaves(list(value), into)
     else:
         into.append(value)
 
