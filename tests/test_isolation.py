@@ -23,7 +23,7 @@ def _request(target: str, **kwargs: object) -> ProbeRequest:
 
 
 def test_isolated_probe_matches_in_process_and_streams_trials() -> None:
-    request = ProbeRequest(target="gpt", device="cpu", memory=96 * MIB, effective_batch=32)
+    request = ProbeRequest(target="cnn", device="cpu", memory=32 * MIB, effective_batch=32)
     seen: list[TrialRecord] = []
     isolated = run_isolated(request, timeout=120, on_trial=seen.append)
     local = run_probe(request)

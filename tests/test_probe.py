@@ -47,7 +47,7 @@ def test_answer_fits_and_one_more_ooms_and_a_dense_scan_agrees(name: str, mib: i
 
 
 def test_plan_in_the_result() -> None:
-    result = run_probe(ProbeRequest(target="gpt", device="cpu", memory=128 * MIB, effective_batch=100))
+    result = run_probe(ProbeRequest(target="cnn", device="cpu", memory=32 * MIB, effective_batch=100))
     assert result.plan is not None
     assert result.plan.max_micro_batch == result.max_micro_batch
     assert result.plan.achieved_effective_batch == 100
@@ -67,11 +67,11 @@ def test_granularity_only_tries_multiples() -> None:
 
 
 def test_headroom_as_a_size() -> None:
-    result = run_probe(ProbeRequest(target="gpt", device="cpu", memory=128 * MIB, headroom="32MiB"))
-    assert result.headroom_bytes == 32 * MIB and result.limit_bytes == 96 * MIB
-    assert (
-        result.max_micro_batch == run_probe(ProbeRequest(target="gpt", device="cpu", memory=101 * MIB)).max_micro_batch
-    )
+    result = run_probe(ProbeRequest(target="cnn", device="cpu", memory=64 * MIB, headroom="16MiB"))
+    assert result.headroom_bytes == 16 * MIB and result.limit_bytes == 48 * MIB
+    # The same limit as 48 MiB with no headroom: the same answer.
+    same_limit = run_probe(ProbeRequest(target="cnn", device="cpu", memory=48 * MIB, headroom=0))
+    assert same_limit.limit_bytes == result.limit_bytes and same_limit.max_micro_batch == result.max_micro_batch
 
 
 def test_nothing_fits_states_need_and_budget() -> None:
@@ -159,6 +159,6 @@ def test_an_accumulating_plan_warns_about_batch_norm_and_only_then() -> None:
     # One micro-step: each batch is the effective batch, nothing to warn about.
     one_step = cnn.make_plan(cnn.max_micro_batch)
     assert one_step.accumulation_steps == 1 and not any("BatchNorm" in w for w in one_step.warnings)
-    gpt = run_probe(ProbeRequest(target="gpt", device="cpu", memory=128 * MIB, effective_batch=64))
-    assert not gpt.batch_norm and gpt.plan is not None and gpt.plan.accumulation_steps > 1
-    assert not any("BatchNorm" in w for w in gpt.plan.warnings)
+    mlp = run_probe(ProbeRequest(target="mlp", device="cpu", memory=64 * MIB, effective_batch=1000))
+    assert not mlp.batch_norm and mlp.plan is not None and mlp.plan.accumulation_steps > 1
+    assert not any("BatchNorm" in w for w in mlp.plan.warnings)
