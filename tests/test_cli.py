@@ -24,7 +24,7 @@ def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
 
 
 def test_probe_json_is_one_document_with_the_boundary() -> None:
-    proc = run("probe", "gpt", "--device", "cpu", "--memory", "96MiB", "--effective-batch", "64", "--json")
+    proc = run("probe", "cnn", "--device", "cpu", "--memory", "32MiB", "--effective-batch", "64", "--json")
     assert proc.returncode == 0, proc.stderr
     result = ProbeResult.model_validate_json(proc.stdout)
     b = result.max_micro_batch
@@ -34,7 +34,7 @@ def test_probe_json_is_one_document_with_the_boundary() -> None:
     assert result.loop.micro_steps == 2 and result.plan is not None and result.plan.verified_for == "accumulation"
     assert result.confirmation is not None and result.confirmation.status == "passed"
     assert "in a fresh process" in proc.stderr
-    assert result.device.kind == "cpu-budget" and result.budget_bytes == 96 * 2**20
+    assert result.device.kind == "cpu-budget" and result.budget_bytes == 32 * 2**20
     assert result.plan is not None and result.plan.achieved_effective_batch == 64
     assert result.versions.torch and len(result.fingerprint) == 64
     assert "trial" in proc.stderr  # progress goes to stderr, never into the JSON
