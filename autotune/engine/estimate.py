@@ -158,6 +158,10 @@ def fake_execution() -> Iterator[tuple[FakeTensorMode, FakeKernelFailures]]:
             yield mode, failures
         finally:
             log.handlers, log.propagate = saved
+            # Emptied once, here, not after each trial: the optimizer's ops repeat at the parameters'
+            # shapes in every trial, and a trial adds a few hundred entries (gpt at 128 MiB: 1,249 in
+            # all, 17,020 hits). Emptied per trial: gpt 128 MiB 6.2 s vs 4.7 s, gpt 79.2 GiB 6.4 vs
+            # 5.8, cnn 79.2 GiB 2.1 vs 1.3 (two interleaved runs each, 2-core VM, 2026-11-27).
             FakeTensorMode.cache_clear()
 
 
@@ -199,11 +203,6 @@ def estimate(
             for loop in (single, accumulating):
                 run = runner.trial_fn(loop)
 
-                # torch's fake-op cache is kept across trials (fake_execution empties it at the end):
-                # the optimizer's ops repeat at the parameters' shapes in every trial, and a trial adds
-                # a few hundred entries (gpt at 128 MiB: 1,249 in all, 17,020 hits). Emptied after each
-                # trial, as before: gpt 128 MiB 6.2 s vs 4.7 s kept, gpt 79.2 GiB 6.4 vs 5.8, cnn 79.2 GiB
-                # 2.1 vs 1.3 (two interleaved runs each, 2-core VM, 2026-11-27).
                 def trial(batch: int, run: Callable[[int], TrialRecord] = run) -> TrialRecord:
                     record = run(batch)
                     ran.append(record)
