@@ -89,7 +89,7 @@ class _TrainerOptimizer:
         )
 
     def __call__(self, params: Any) -> torch.optim.Optimizer:
-        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(self.trainer.args, self.trainer.model)  # type: ignore[arg-type]
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(self.trainer.args, self.trainer.model)
         made: torch.optim.Optimizer = cls(params, **kwargs)
         return made
 
@@ -149,7 +149,7 @@ def _borrowed(trainer: Trainer) -> Iterator[TrainingArguments]:
 
 
 def _optimizer_copy(trainer: Trainer) -> OptimizerCopy | None:
-    return None if trainer.optimizer is None else OptimizerCopy(trainer.optimizer, trainer.model)  # type: ignore[arg-type]
+    return None if trainer.optimizer is None else OptimizerCopy(trainer.optimizer, trainer.model)
 
 
 def trainer_loop(trainer: Trainer, dataset: Any, indices: tuple[int, ...]) -> Callable[[TrialRunner], TrainLoop]:
@@ -361,5 +361,5 @@ def tune_trainer(
         )
     args.per_device_train_batch_size, args.gradient_accumulation_steps = micro, accumulation
     trainer._train_batch_size = args.train_batch_size
-    trainer.autotune_result = result  # type: ignore[attr-defined]
+    trainer.autotune_result = result
     return result
