@@ -364,27 +364,22 @@ def test_a_real_server_refuses_a_device_it_lacks_and_the_client_does_not_probe_l
     assert sleeps == []  # refused at once, not retried as an outage
 
 
-def test_a_result_published_by_the_cli_answers_a_later_jobs_plan(server: Server) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
+def test_a_result_published_by_the_cli_answers_a_later_jobs_plan(
+    server: Server, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The command through the CLI's entry point in this process, whose probes share one fork server
+    (the CLI as a process of its own is test_cli's)."""
+    from autotune import cli
+
     command = [
-        sys.executable,
-        "-m",
-        "autotune.cli",
-        "probe",
-        "mlp",
-        "--device",
-        "cpu",
-        "--memory",
-        "6MiB",
-        "--max-batch",
-        "16",
+        *("probe", "mlp", "--device", "cpu", "--memory", "6MiB", "--max-batch", "16"),
         *("-o", "in_features=64", "-o", "hidden=64", "-o", "layers=1", "-o", "classes=10"),
-        "--publish",
-        server.url,
+        *("--publish", server.url),
     ]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == 0, done.stderr
-    assert f"published to {server.url}" in done.stderr
+    code = cli.run(command)
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert f"published to {server.url}" in err
 
     with server.client() as http:
         started = metric(http, "autotune_probes_started_total", 'device="cpu"')

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,6 @@ from autotune.errors import ConfigError
 from autotune.plot import draw, render_plot
 from autotune.results import ProbeResult
 
-AUTOTUNE = str(Path(sys.executable).parent / "autotune")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MIB = 2**20
 
@@ -51,24 +49,25 @@ def test_missing_matplotlib_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -
         render_plot(result)
 
 
-def test_cli_plot_search_and_objective_flags(tmp_path: Path) -> None:
+def test_cli_plot_search_and_objective_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Through the CLI's entry point in this process: its confirmations fork from the server this
+    process's probes share (the CLI as a process of its own is test_cli's)."""
+    from autotune import cli
+
     target = tmp_path / "probe.png"
-    proc = subprocess.run(
+    code = cli.run(
         [
-            AUTOTUNE, "probe", "tests.predict_workloads:plain", "--device", "cpu", "--memory", "1MiB",
+            "probe", "tests.predict_workloads:plain", "--device", "cpu", "--memory", "1MiB",
             "--headroom", "0", "--in-process", "--plot", str(target), "--objective", "throughput",
             "--effective-batch", "1000",
-        ],
-        capture_output=True, text=True, timeout=300, check=False, cwd=Path(__file__).resolve().parent.parent,
+        ]
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    out, err = capsys.readouterr()
+    assert code == 0, err
     assert target.read_bytes().startswith(PNG_MAGIC)
-    assert "predicted" in proc.stdout and "throughput: micro-batch" in proc.stdout
-    bad = subprocess.run(
-        [AUTOTUNE, "probe", "gpt", "--device", "cpu", "--search", "guess"],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert bad.returncode == 2 and "--search 'guess' is not one of plain, predict" in bad.stderr
+    assert "predicted" in out and "throughput: micro-batch" in out
+    assert cli.run(["probe", "gpt", "--device", "cpu", "--search", "guess"]) == 2
+    assert "--search 'guess' is not one of plain, predict" in capsys.readouterr().err
 
 
 def _loop_artists(figure: Any, name: str) -> dict[str, Any]:
