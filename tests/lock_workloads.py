@@ -16,6 +16,8 @@ import torch
 from autotune.workloads.examples import mlp
 from autotune.workloads.workload import Workload
 
+SEEN_SECONDS = 120.0  # at most, so that a watch that never looks fails its test rather than hangs it
+
 
 def ancestors() -> list[int]:
     """This process and its ancestors, from /proc."""
@@ -35,15 +37,21 @@ def _tiny() -> Workload:
     return mlp(in_features=64, hidden=64, layers=1, classes=10)
 
 
-def gated(log: str, gate: str) -> Workload:
+def gated(log: str, gate: str, seen: str = "") -> Workload:
     """Each batch waits while the file `gate` exists, then appends a line to `log`: this process,
-    its ancestors, and the pid the CPU budget device's lock file names as its holder."""
+    its ancestors, and the pid the CPU budget device's lock file names as its holder. With `seen`,
+    a directory, each process's first batch first waits for `seen/PID`, which a test that watches
+    the process listing writes once it has seen this process: a probe that would otherwise end
+    between two of its looks (a loaded machine stretches them) cannot go unseen."""
     from autotune.engine.lock import holder
 
     base = _tiny()
 
     def batch(b: int, device: torch.device) -> object:
         if device.type != "meta":  # the service builds it on the meta device to fingerprint it
+            deadline = time.monotonic() + SEEN_SECONDS
+            while seen and not Path(seen, str(os.getpid())).exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
             while os.path.exists(gate):
                 time.sleep(0.02)
             record = holder("cpu-budget") or {}

@@ -59,7 +59,7 @@ class Told(httpx.HTTPTransport):
 
 
 url, workloads, query = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
-with AutotuneClient(url, workloads_file=workloads, transport=Told(), max_backoff=2.0) as client:
+with AutotuneClient(url, workloads_file=workloads, transport=Told(), max_backoff=1.0) as client:
     plan = client.plan(**query, fallback="local", timeout=300)
     print(json.dumps({"source": client.last_source, "plan": plan.model_dump(mode="json")}), flush=True)
 """

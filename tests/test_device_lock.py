@@ -180,11 +180,11 @@ def test_no_wait_fails_at_once_with_one_line_naming_the_holder(held_elsewhere: i
 
 
 # A service, a CLI and a client of one device -----------------------------------------------------
-def _registry(log: Path, gate: Path) -> str:
+def _registry(log: Path, gate: Path, seen: Path) -> str:
     return (
         "[workloads.gated]\n"
         'target = "tests.lock_workloads:gated"\n'
-        f'options = {{ log = "{log}", gate = "{gate}" }}\n'
+        f'options = {{ log = "{log}", gate = "{gate}", seen = "{seen}" }}\n'
         "max_batch = 16\n"
     )
 
@@ -223,10 +223,12 @@ def _environment(pid: int) -> bytes:
 class ProbeWatch:
     """Samples the process listing while it runs: which owners have probe processes at once. A
     probe process is this test's when its environment has the test's lock directory (other runs
-    on this machine probe too)."""
+    on this machine probe too). Each one seen is told so in `acknowledge` (a file named by its pid),
+    where the workload waits for it (tests.lock_workloads:gated's `seen`)."""
 
-    def __init__(self, owners: set[int], locks: Path) -> None:
+    def __init__(self, owners: set[int], locks: Path, acknowledge: Path) -> None:
         self.owners = owners
+        self.acknowledge = acknowledge
         self.mark = f"AUTOTUNE_LOCK_DIR={locks}\0".encode()
         self.seen: set[int] = set()
         self.together: list[set[int]] = []
@@ -254,9 +256,11 @@ class ProbeWatch:
                     if owner is None:
                         if alive(int(entry.name)) and _parent(int(entry.name)) == 1:
                             self.strays.append(command)
+                        continue
+                    (self.acknowledge / entry.name).touch()
                     # A fork server kept idle between its process's probes runs nothing: its forked
                     # children (the same command line, a server for a parent) are the runs.
-                    elif FORK_SERVER not in command or FORK_SERVER in _cmdline(_parent(int(entry.name))):
+                    if FORK_SERVER not in command or FORK_SERVER in _cmdline(_parent(int(entry.name))):
                         probing.add(owner)
             self.seen |= probing
             if len(probing) > 1:
@@ -276,9 +280,10 @@ with AutotuneClient(url, retries=0, workloads_file=workloads) as client:
 
 
 def test_a_service_a_cli_and_a_client_probe_of_one_device_take_turns(tmp_path: Path, locks: Path) -> None:
-    log, gate = tmp_path / "batches.jsonl", tmp_path / "gate"
+    log, gate, seen = tmp_path / "batches.jsonl", tmp_path / "gate", tmp_path / "seen"
     gate.touch()  # the service's probe waits at its first batch until the others wait for the device
-    registry = _registry(log, gate)
+    seen.mkdir()  # and each probe process at its first batch until the watch below has seen it
+    registry = _registry(log, gate, seen)
     server = start_server(tmp_path / "node", workloads=registry)
     started: list[subprocess.Popen[bytes]] = []
     try:
@@ -290,7 +295,8 @@ def test_a_service_a_cli_and_a_client_probe_of_one_device_take_turns(tmp_path: P
 
             cli_err, client_err = tmp_path / "cli.err", tmp_path / "client.err"
             workloads = tmp_path / "node" / "workloads.toml"
-            cli_args = ["probe", "tests.lock_workloads:gated", "-o", f"log={log}", "-o", f"gate={gate}"]
+            options = [f"log={log}", f"gate={gate}", f"seen={seen}"]
+            cli_args = ["probe", "tests.lock_workloads:gated", *(arg for o in options for arg in ("-o", o))]
             cli_args += ["--device", "cpu", "--memory", "4MiB", "--max-batch", "16", "--no-confirm", "--json"]
             with cli_err.open("wb") as cli_sink, client_err.open("wb") as client_sink:
                 for args, sink in (
@@ -303,7 +309,7 @@ def test_a_service_a_cli_and_a_client_probe_of_one_device_take_turns(tmp_path: P
                         )
                     )
             cli, client = started
-            with ProbeWatch({server.process.pid, cli.pid, client.pid}, locks) as watch:
+            with ProbeWatch({server.process.pid, cli.pid, client.pid}, locks, seen) as watch:
                 for name, path in (("the CLI", cli_err), ("the client", client_err)):
                     wait_for(lambda p=path: "waiting for the CPU budget device" in p.read_text(), 60, f"{name} to wait")
                 gate.unlink()
