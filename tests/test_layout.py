@@ -133,8 +133,8 @@ def test_the_pure_cores_import_no_torch(name: str) -> None:
 def test_every_module_imports_alone() -> None:
     """Each module imported first, with every autotune module forgotten before: an import that works
     only after another module was imported fails here. In this process, whose autotune modules are
-    put back after: the third-party modules (torch, lightning, transformers), which no order of ours
-    can break, stay imported, as a new interpreter for the purpose spent 8 s of CPU importing."""
+    put back after; the third-party ones (torch, lightning, transformers), which no order of ours
+    can break, stay imported (a new interpreter for this test spent 6 s of CPU importing them again)."""
     names = [n for n in _modules() if not n.endswith("__main__")]
 
     def ours() -> list[str]:
