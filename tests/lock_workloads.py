@@ -49,9 +49,10 @@ def gated(log: str, gate: str, seen: str = "") -> Workload:
 
     def batch(b: int, device: torch.device) -> object:
         if device.type != "meta":  # the service builds it on the meta device to fingerprint it
-            deadline = time.monotonic() + SEEN_SECONDS
-            while seen and not Path(seen, str(os.getpid())).exists() and time.monotonic() < deadline:
-                time.sleep(0.02)
+            if seen:
+                told, deadline = Path(seen, str(os.getpid())), time.monotonic() + SEEN_SECONDS
+                while not told.exists() and time.monotonic() < deadline:
+                    time.sleep(0.02)
             while os.path.exists(gate):
                 time.sleep(0.02)
             record = holder("cpu-budget") or {}
