@@ -23,7 +23,7 @@ def _request(target: str, **kwargs: object) -> ProbeRequest:
 
 
 def test_isolated_probe_matches_in_process_and_streams_trials() -> None:
-    request = ProbeRequest(target="cnn", device="cpu", memory=32 * MIB, effective_batch=32)
+    request = ProbeRequest(target="cnn", device="cpu", memory=16 * MIB, effective_batch=32)
     seen: list[TrialRecord] = []
     isolated = run_isolated(request, timeout=120, on_trial=seen.append)
     local = run_probe(request)
@@ -48,8 +48,8 @@ def test_an_abrupt_exit_is_a_failed_probe_with_the_code() -> None:
 
 def test_a_hang_is_killed_at_the_timeout() -> None:
     started = time.monotonic()
-    with pytest.raises(ProbeTimeoutError, match=r"timeout of 4 s after \d trial\(s\)"):
-        run_isolated(_request("tests.workloads:hangs"), timeout=4)
+    with pytest.raises(ProbeTimeoutError, match=r"timeout of 2 s after \d trial\(s\)"):
+        run_isolated(_request("tests.workloads:hangs"), timeout=2)
     assert time.monotonic() - started < 40
 
 

@@ -84,20 +84,20 @@ def test_the_terminal_view_shows_the_table_and_the_running_step_with_a_spinner()
     assert "batch 48" not in _render(view) and "probing gpt" in _render(view)
 
 
-def test_piped_output_has_a_step_line_before_each_trial_s_verdict() -> None:
-    proc = subprocess.run(
-        [AUTOTUNE, "probe", "tests.workloads:tiny", *TINY, "--no-confirm"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stderr.splitlines()
+def test_piped_output_has_a_step_line_before_each_trial_s_verdict(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Through the CLI's entry point in this process, whose stderr is captured, not a terminal: its
+    probe forks from the server this process's probes share (the CLI as a process of its own is
+    test_cli's, and the interrupt tests' below)."""
+    monkeypatch.chdir(ROOT)
+    code = cli.run(["probe", "tests.workloads:tiny", *TINY, "--no-confirm"])
+    stderr = capsys.readouterr().err
+    assert code == 0, stderr
+    lines = stderr.splitlines()
     verdicts = [i for i, line in enumerate(lines) if re.match(r"trial +\d+: batch +\d+ x\d (fits|OOM)", line)]
     # max-batch 2: the one-micro-step loop tries 1 and 2; the accumulating loop starts at that answer (2).
-    assert len(verdicts) == 3, proc.stderr
+    assert len(verdicts) == 3, stderr
     for n, i in enumerate(verdicts, 1):
         batch = lines[i].split()[3]
         assert re.fullmatch(rf"trial +{n}: batch +{batch} step 1/2 micro-step 1/[12] +\d+\.\d\d s", lines[i - 1]), lines
@@ -183,9 +183,9 @@ def test_piped_output_says_a_long_step_is_still_running(
     is still running, with its time so far (batch 2 hangs here until the probe's timeout)."""
     monkeypatch.setattr(cli_progress, "HEARTBEAT_SECONDS", 0.25)
     monkeypatch.chdir(ROOT)
-    code = cli.run(["probe", "tests.workloads:hangs", *TINY, "--no-confirm", "--timeout", "5"])
+    code = cli.run(["probe", "tests.workloads:hangs", *TINY, "--no-confirm", "--timeout", "2"])
     stderr = capsys.readouterr().err
-    assert code == 1 and "ran past its timeout of 5 s" in stderr, stderr
+    assert code == 1 and "ran past its timeout of 2 s" in stderr, stderr
     still = re.findall(r"trial +2: batch +2 step 1/2 micro-step 1/1 +(\d+\.\d\d) s \(still running\)", stderr)
     assert len(still) >= 2, stderr
     seconds = [float(s) for s in still]
@@ -216,26 +216,24 @@ BUILD_ERROR = "workload error: KeyboardInterrupt (at {build} in build)"
     ids=["loss", "loss-in-process", "build", "build-in-process", "confirmation", "estimate"],
 )
 def test_a_keyboard_interrupt_the_workload_raises_is_its_error_not_a_signal(
-    command: tuple[str, ...], said: str
+    command: tuple[str, ...], said: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """No signal was sent: one line naming the file and line where the workload raised it, exit 1,
-    no traceback, and not 'interrupted ... by Ctrl-C'."""
+    no traceback, and not 'interrupted ... by Ctrl-C'. Through the CLI's entry point in this process,
+    where SIGINT raises KeyboardInterrupt as in a terminal's command (a real Ctrl-C to the CLI's
+    process is the tests' above and below); its probes fork from the server this process's share."""
     name, *flags = command
-    proc = subprocess.run(
-        [AUTOTUNE, name, "tests.progress_workloads:interrupts_itself", *flags, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        check=False,
-        # As a terminal's command has it: SIGINT raises KeyboardInterrupt (a background job's ignores it).
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    monkeypatch.chdir(ROOT)
+    try:
+        code = cli.run([name, "tests.progress_workloads:interrupts_itself", *flags, "--json"])
+    except KeyboardInterrupt as exc:  # not pytest's Ctrl-C: the workload's, which the CLI let through
+        pytest.fail(f"the workload's KeyboardInterrupt left the CLI: {exc!r}")
+    out, err = capsys.readouterr()
     expected = said.format(loss=_raised_at("in the loss"), build=_raised_at("while building"))
-    assert proc.returncode == 1, proc.stderr
-    assert "Traceback" not in proc.stderr and "interrupted" not in proc.stderr, proc.stderr
-    assert proc.stderr.splitlines()[-1] == expected
-    error = json.loads(proc.stdout)["error"]
+    assert code == 1, err
+    assert "Traceback" not in err and "interrupted" not in err, err
+    assert err.splitlines()[-1] == expected
+    error = json.loads(out)["error"]
     assert error["exit_code"] == 1 and error["message"] == expected.split(" failed: ", 1)[1]
 
 

@@ -2,9 +2,11 @@
 every rank redoes the window at the same smaller micro-batch, none waits forever in a collective,
 and the gradients stay in sync.
 
-The two-rank test runs this file as a script, once per rank: `python tests/test_rank_agreement.py
-RANK PORT OUT_DIR` (gloo on 127.0.0.1); each rank writes what it ran to OUT_DIR/rank<N>.json and its
-final parameters to OUT_DIR/rank<N>.pt.
+The two-rank tests share one job that runs this file as a script, once per rank: `python
+tests/test_rank_agreement.py RANK PORT OUT_DIR` (gloo on 127.0.0.1), its cases one after another in
+one group (starting the two interpreters is most of a case's cost; each case has a model and guard
+of its own, the uniform one first, in processes that have run nothing else). Each rank writes what
+it ran to OUT_DIR/<case>-rank<N>.json and the uniform case's final parameters to OUT_DIR/rank<N>.pt.
 """
 
 from __future__ import annotations
@@ -63,89 +65,96 @@ def _halves(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torc
     return [(x[i : i + MICRO // 2], y[i : i + MICRO // 2]) for x, y in batches for i in (0, MICRO // 2)]
 
 
-def rank_main(rank: int, port: int, out: Path) -> None:
-    """One rank of the two-process job: DDP over gloo, rank 1 on a budget that fits micro-batches of
+def _uniform_case(rank: int, out: Path) -> None:
+    """One rank of the uniform job: DDP over gloo, rank 1 on a budget that fits micro-batches of
     MICRO / 2 but not MICRO, rank 0 on a budget that fits everything."""
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
-    )
-    try:
-        model = _model()
-        batches = _data(rank)
-        small = _peak(model, _halves(batches[:2]))
-        large = _peak(model, batches[:2])
-        assert large > small + 8192, "the test's model no longer needs more memory at MICRO"
-        # Midway: gloo may still hold a few KiB of the last window's all-reduces when the next one
-        # starts (its worker thread lets go of them a little later, when it gets to it).
-        limit = (small + large) // 2 if rank == 1 else 2**30
-        ddp = DistributedDataParallel(model)  # outside the budget: its construction broadcasts
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=LR)
-        device = BudgetDevice(limit)
-        device.track([*model.parameters(), *(t for batch in batches for t in batch)])
-        guard = OOMGuard(ddp)
-        ran: list[list[int]] = []
-        steps = 0
-        with device.active():
-            for window in guard.windows(batches, 2):
-                sizes: list[int] = []
-
-                def micro_step(step, sizes=sizes):  # type: ignore[no-untyped-def]
-                    sizes.append(int(step.batch[0].shape[0]))
-                    x, y = step.batch
-                    step.scale(nn.functional.mse_loss(ddp(x), y)).backward()
-
-                window.run(micro_step)
-                ran.append(sizes)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                steps += 1
-        events = [[e.window, e.old_micro_batch, e.new_micro_batch, e.ran_out, e.message] for e in guard.events]
-        report = {"rank": rank, "limit": guard.micro_batch_limit, "steps": steps, "ran": ran, "events": events}
-        (out / f"rank{rank}.json").write_text(json.dumps(report))
-        torch.save([p.detach().clone() for p in model.parameters()], out / f"rank{rank}.pt")
-        # DDP's reducer and the gradients of the attempt that ran out go before the group does.
-        guard = ddp = optimizer = None  # type: ignore[assignment]
-        gc.collect()
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def mixed_rank_main(rank: int, port: int, out: Path, sizes: tuple[int, int] = (62, 24), over: int = 40) -> None:
-    """One rank of a mixed plan's job: rank 0 (a larger GPU) runs micro-batches of `sizes[0]` and runs
-    out of memory above `over` samples; rank 1 runs `sizes[1]` and never runs out."""
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
-    )
-    try:
-        torch.manual_seed(0)
-        ddp = DistributedDataParallel(nn.Linear(4, 1))
-        guard = OOMGuard(ddp)
-        size = sizes[rank]
-        windows = [[(torch.randn(size, 4), torch.randn(size, 1))] for _ in range(2)]
-        ran: list[list[int]] = []
-        for window in guard.windows([b for w in windows for b in w], 1):
+    model = _model()
+    batches = _data(rank)
+    small = _peak(model, _halves(batches[:2]))
+    large = _peak(model, batches[:2])
+    assert large > small + 8192, "the test's model no longer needs more memory at MICRO"
+    # Midway: gloo may still hold a few KiB of the last window's all-reduces when the next one
+    # starts (its worker thread lets go of them a little later, when it gets to it).
+    limit = (small + large) // 2 if rank == 1 else 2**30
+    ddp = DistributedDataParallel(model)  # outside the budget: its construction broadcasts
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=LR)
+    device = BudgetDevice(limit)
+    device.track([*model.parameters(), *(t for batch in batches for t in batch)])
+    guard = OOMGuard(ddp)
+    ran: list[list[int]] = []
+    steps = 0
+    with device.active():
+        for window in guard.windows(batches, 2):
             sizes: list[int] = []
 
             def micro_step(step, sizes=sizes):  # type: ignore[no-untyped-def]
+                sizes.append(int(step.batch[0].shape[0]))
                 x, y = step.batch
-                sizes.append(len(x))
-                if len(x) > over:
-                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
                 step.scale(nn.functional.mse_loss(ddp(x), y)).backward()
 
             window.run(micro_step)
             ran.append(sizes)
-            ddp.zero_grad(set_to_none=True)
-        events = [[e.window, e.old_micro_batch, e.new_micro_batch, e.ran_out, e.message] for e in guard.events]
-        (out / f"rank{rank}.json").write_text(json.dumps({"ran": ran, "events": events}))
-        guard = ddp = None  # type: ignore[assignment]
-        gc.collect()
-        dist.barrier()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            steps += 1
+    events = [[e.window, e.old_micro_batch, e.new_micro_batch, e.ran_out, e.message] for e in guard.events]
+    report = {"rank": rank, "limit": guard.micro_batch_limit, "steps": steps, "ran": ran, "events": events}
+    (out / f"uniform-rank{rank}.json").write_text(json.dumps(report))
+    torch.save([p.detach().clone() for p in model.parameters()], out / f"rank{rank}.pt")
+    # DDP's reducer and the gradients of the attempt that ran out go before the next case.
+    guard = ddp = optimizer = None  # type: ignore[assignment]
+    gc.collect()
+    dist.barrier()
+
+
+# A mixed plan's cases: (rank 0's micro-batch, rank 1's), and the samples above which rank 0 runs out.
+MIXED_CASES = {
+    "mixed": ((62, 24), 40),
+    "one": ((8, 1), 2),  # rank 1 at one sample already; rank 0 runs out above 2 of 8
+}
+
+
+def rank_main(rank: int, port: int, out: Path) -> None:
+    """One rank of the two-process job: the uniform case, then each mixed plan's."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+    try:
+        _uniform_case(rank, out)
+        for case, (sizes, over) in MIXED_CASES.items():
+            _mixed_case(rank, out / f"{case}-rank{rank}.json", sizes, over)
     finally:
         dist.destroy_process_group()
+
+
+def _mixed_case(rank: int, report: Path, sizes: tuple[int, int], over: int) -> None:
+    """One rank of a mixed plan's job: rank 0 (a larger GPU) runs micro-batches of `sizes[0]` and runs
+    out of memory above `over` samples; rank 1 runs `sizes[1]` and never runs out."""
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(nn.Linear(4, 1))
+    guard = OOMGuard(ddp)
+    size = sizes[rank]
+    windows = [[(torch.randn(size, 4), torch.randn(size, 1))] for _ in range(2)]
+    ran: list[list[int]] = []
+    for window in guard.windows([b for w in windows for b in w], 1):
+        sizes: list[int] = []
+
+        def micro_step(step, sizes=sizes):  # type: ignore[no-untyped-def]
+            x, y = step.batch
+            sizes.append(len(x))
+            if len(x) > over:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            step.scale(nn.functional.mse_loss(ddp(x), y)).backward()
+
+        window.run(micro_step)
+        ran.append(sizes)
+        ddp.zero_grad(set_to_none=True)
+    events = [[e.window, e.old_micro_batch, e.new_micro_batch, e.ran_out, e.message] for e in guard.events]
+    report.write_text(json.dumps({"ran": ran, "events": events}))
+    guard = ddp = None  # type: ignore[assignment]
+    gc.collect()
+    dist.barrier()
 
 
 def _expected_parameters() -> list[torch.Tensor]:
@@ -168,8 +177,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _two_ranks(tmp_path: Path, scenario: str) -> tuple[list[dict], str]:  # type: ignore[type-arg]
-    """Run this file as both ranks of a gloo job; (each rank's report, both logs)."""
+def _two_ranks(tmp_path: Path) -> tuple[dict[str, list[dict]], str]:  # type: ignore[type-arg]
+    """Run this file as both ranks of a gloo job; (each case's reports, rank by rank; both logs)."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     logs = [tmp_path / f"rank{rank}.log" for rank in (0, 1)]
@@ -178,7 +187,7 @@ def _two_ranks(tmp_path: Path, scenario: str) -> tuple[list[dict], str]:  # type
         with log.open("w") as sink:
             processes.append(
                 subprocess.Popen(
-                    [sys.executable, __file__, str(rank), str(port), str(tmp_path), scenario],
+                    [sys.executable, __file__, str(rank), str(port), str(tmp_path)],
                     cwd=ROOT,
                     env=env,
                     stdout=sink,
@@ -196,11 +205,26 @@ def _two_ranks(tmp_path: Path, scenario: str) -> tuple[list[dict], str]:  # type
         pytest.fail("a rank hung:\n" + "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs))
     outputs = "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs)
     assert [p.returncode for p in processes] == [0, 0], outputs
-    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)], outputs
+    cases = [path.name.removesuffix("-rank0.json") for path in tmp_path.glob("*-rank0.json")]
+    return {
+        case: [json.loads((tmp_path / f"{case}-rank{rank}.json").read_text()) for rank in (0, 1)] for case in cases
+    }, outputs
 
 
-def test_when_one_of_two_ranks_runs_out_both_shrink_alike_and_finish(tmp_path: Path) -> None:
-    reports, outputs = _two_ranks(tmp_path, "uniform")
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list[dict]], str, Path]:  # type: ignore[type-arg]
+    """The two-rank job's reports by case, both ranks' logs, and its directory."""
+    out = tmp_path_factory.mktemp("ranks")
+    done, outputs = _two_ranks(out)
+    assert done.keys() == {"uniform", *MIXED_CASES}, outputs
+    return done, outputs, out
+
+
+def test_when_one_of_two_ranks_runs_out_both_shrink_alike_and_finish(
+    job: tuple[dict[str, list[dict]], str, Path],  # type: ignore[type-arg]
+) -> None:
+    done, outputs, out = job
+    reports = done["uniform"]
     # Rank 1 ran out at the starting micro-batch; rank 0 did not, and redid the window with it.
     assert [[e[:4] for e in r["events"]] for r in reports] == [
         [[0, MICRO, MICRO // 2, False]],
@@ -215,17 +239,20 @@ def test_when_one_of_two_ranks_runs_out_both_shrink_alike_and_finish(tmp_path: P
     assert reports[1]["ran"][0][-4:] == [MICRO // 2] * 4 and reports[1]["ran"][1] == [MICRO // 2] * 4
 
     # The gradients stayed in sync: both ranks end with the same parameters, those of the full batch.
-    final = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
+    final = [torch.load(out / f"rank{rank}.pt") for rank in (0, 1)]
     for zero, one, want in zip(final[0], final[1], _expected_parameters(), strict=True):
         assert torch.equal(zero, one)
         torch.testing.assert_close(zero, want, rtol=1e-5, atol=1e-6)
 
 
-def test_the_ranks_of_a_mixed_plan_each_halve_their_own_micro_batch(tmp_path: Path) -> None:
+def test_the_ranks_of_a_mixed_plan_each_halve_their_own_micro_batch(
+    job: tuple[dict[str, list[dict]], str, Path],  # type: ignore[type-arg]
+) -> None:
     """Rank 0 runs 62 and runs out; rank 1 runs 24 and does not. Both halve their own size (31 and
     12), as a uniform job's ranks shrink alike; before, both took the smallest proposal, 24, and the
     rank that did not run out recorded a 'shrink' from 24 to 24."""
-    reports, outputs = _two_ranks(tmp_path, "mixed")
+    done, outputs, _ = job
+    reports = done["mixed"]
     assert [r["events"] for r in reports] == [
         [[0, 62, 31, True, reports[0]["events"][0][4]]],
         [[0, 24, 12, False, "rank 0 ran out of memory"]],
@@ -234,7 +261,7 @@ def test_the_ranks_of_a_mixed_plan_each_halve_their_own_micro_batch(tmp_path: Pa
     assert reports[0]["ran"] == [[62, 31, 31], [31, 31]]
     assert reports[1]["ran"] == [[24, 12, 12], [12, 12]]
     # A rank already at one sample redoes the window as it is, and records no shrink from 1 to 1.
-    reports, outputs = _two_ranks(tmp_path, "one")
+    reports = done["one"]
     assert [[e[1:4] for e in r["events"]] for r in reports] == [[[8, 4, True], [4, 2, True]], []], outputs
     assert reports[1]["ran"] == [[1, 1, 1], [1]]
 
@@ -314,9 +341,4 @@ def _agree_with_one_rank() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[4] == "mixed":
-        mixed_rank_main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))
-    elif sys.argv[4] == "one":  # rank 1 at one sample already; rank 0 runs out above 2 of 8
-        mixed_rank_main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), sizes=(8, 1), over=2)
-    else:
-        rank_main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))
+    rank_main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))
