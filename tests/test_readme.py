@@ -43,7 +43,7 @@ def test_quick_start_is_exactly_two_make_commands_and_ci_runs_one() -> None:
     assert install.index("torch==$(TORCH_VERSION)") < install.index("pip install -q -e")
 
 
-def test_make_demo_probes_the_builtin_example_and_plans() -> None:
+def test_make_demo_probes_the_builtin_example_and_plans(monkeypatch: pytest.MonkeyPatch) -> None:
     # As a user types it: not as a sub-make of `make test` (CI), whose MAKELEVEL would have make print
     # "Entering/Leaving directory" lines around the demo's own output.
     env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
@@ -54,7 +54,8 @@ def test_make_demo_probes_the_builtin_example_and_plans() -> None:
     lines = proc.stdout.strip().splitlines()
     assert lines[-1].startswith("autotune is installed in .venv: run .venv/bin/autotune"), lines[-1]
     # The summary's closing lines, pasted into a script: the saved plan runs in a loader, and every
-    # optimizer step but the last sees the effective batch of 256.
+    # optimizer step but the last sees the effective batch of 256. The script runs in this process,
+    # which has its imports already (an interpreter of its own spent 2 s of CPU importing torch).
     start = next(i for i, line in enumerate(lines) if line.startswith("in Python"))
     pasted = [line.removeprefix("  ") for line in lines[start + 1 : start + 4]]
     assert pasted[0].startswith("plan = autotune.load_result(") and pasted[2].startswith("for step in ")
@@ -67,14 +68,12 @@ def test_make_demo_probes_the_builtin_example_and_plans() -> None:
             "windows = []",
             *pasted[:2],
             pasted[2].split(": ...")[0] + ": " + body,
-            "print(windows)",
         ]
     )
-    ran = subprocess.run(
-        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
-    )
-    assert ran.returncode == 0, ran.stderr
-    assert eval(ran.stdout) == [256, 256, 256, 1000 - 3 * 256], ran.stdout
+    monkeypatch.chdir(ROOT)
+    scope: dict[str, object] = {"__name__": "__main__"}
+    exec(compile(script, "<pasted>", "exec"), scope)
+    assert scope["windows"] == [256, 256, 256, 1000 - 3 * 256], script
 
 
 @pytest.mark.parametrize("command", PROBING)
@@ -134,7 +133,9 @@ def test_own_torch_install_keeps_the_torch_it_finds(tmp_path: Path) -> None:
     downloads and unpacking (half a minute of CPU each, and what `make` does on every fresh clone)
     are spared: the venv finds this interpreter's torch and its requirements installed (linked in
     through a .pth file), as the first command leaves them, and so the server extra's, as a venv
-    that had them would; pip must say torch is satisfied, and keep it through the second."""
+    that had them would; pip must say torch is satisfied, and keep it through the second. The
+    editable build, too, uses the setuptools the first command installed in the venv rather than a
+    copy pip would install in an isolated build environment (2 s of CPU)."""
     commands = QUICK_START[2:]
     assert commands and commands[0].startswith("python3 -m venv .venv && .venv/bin/pip install torch==2.13.0")
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
@@ -144,6 +145,7 @@ def test_own_torch_install_keeps_the_torch_it_finds(tmp_path: Path) -> None:
             shutil.copy2(ROOT / name, tmp_path / name)
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
     env["PIP_NO_COMPILE"] = "1"  # pip's byte-compiling: nothing this test checks
+    env["PIP_NO_BUILD_ISOLATION"] = "0"  # pip's (inverted) spelling of --no-build-isolation
     found = tmp_path / "found-torch"
     found.mkdir()
     import importlib.metadata as metadata
@@ -157,8 +159,12 @@ def test_own_torch_install_keeps_the_torch_it_finds(tmp_path: Path) -> None:
     printed = [subprocess.run(c, text=True, **run) for c in [install_torch, *commands[1:]]]  # type: ignore[call-overload]
     assert "Requirement already satisfied: torch==2.13.0" in printed[0].stdout, printed[0].stdout
     assert not (site / "torch").exists(), "pip installed a torch of its own"
+    # The torch the venv's interpreter resolves, found as `import torch` finds it but not loaded (1.3 s
+    # of CPU): which torch pip kept is the point here; that it loads, every other test shows.
+    found_by_venv = "import autotune, importlib.metadata as m, importlib.util as u; "
+    found_by_venv += "print(m.version('torch'), u.find_spec('torch').origin)"
     version = subprocess.run(
-        [str(tmp_path / ".venv/bin/python"), "-c", "import torch, autotune; print(torch.__version__, torch.__file__)"],
+        [str(tmp_path / ".venv/bin/python"), "-c", found_by_venv],
         capture_output=True, text=True, check=True, env=env, cwd=tmp_path,
     ).stdout.split()  # fmt: skip
     assert version == ["2.13.0+cpu", str(found / "torch" / "__init__.py")]
