@@ -1,6 +1,6 @@
-"""Workloads for the device lock's tests (used as tests.lock_workloads:NAME): a tiny MLP whose batches
-say which process made them and who held the device's lock then, or wait at a gate, or hang in
-the fresh-process confirmation."""
+"""Workloads for the device lock's tests and the service's (used as tests.lock_workloads:NAME): a tiny
+MLP whose batches say which process made them and who held the device's lock then, or wait at a
+gate, or hang in the fresh-process confirmation; a probe held after its first trial."""
 
 from __future__ import annotations
 
@@ -62,6 +62,25 @@ def gated(log: str, gate: str, seen: str = "") -> Workload:
         return base.make_batch(b, device)
 
     return dataclasses.replace(base, name="gated", make_batch=batch)
+
+
+def held(gate: str) -> Workload:
+    """A probe in the middle of its search for as long as the test wants: the batches of the first
+    size a process makes pass (the probe reports that trial), any other size waits while the file
+    `gate` exists. A small MLP of a shape of its own, so that a stored `tiny` result never answers
+    for it. (The service's tests used a probe of `gpt` at 128 MiB, in the middle of its search only
+    while its trials lasted: seconds of CPU.)"""
+    base = mlp(in_features=64, hidden=32, layers=1, classes=10)
+    first: list[int] = []
+
+    def batch(b: int, device: torch.device) -> object:
+        if device.type != "meta":  # the service builds it on the meta device to fingerprint it
+            first[:] = first or [b]
+            while b != first[0] and os.path.exists(gate):
+                time.sleep(0.02)
+        return base.make_batch(b, device)
+
+    return dataclasses.replace(base, name="held", make_batch=batch)
 
 
 def hangs_when_confirmed(marker: str) -> Workload:

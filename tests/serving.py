@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,13 @@ target = "cnn"
 description = "a CNN whose batch 1 does not fit in 4 MiB"
 options = { image_size = 256, channels = 8 }
 """
+
+
+def with_held(gate: Path) -> str:
+    """WORKLOADS_TOML and `held`: a probe that stays after its first trial while the file `gate`
+    exists (tests.lock_workloads:held)."""
+    held = f'[workloads.held]\ntarget = "tests.lock_workloads:held"\noptions = {{ gate = "{gate}" }}\n'
+    return f"{WORKLOADS_TOML}\n{held}"
 
 
 def free_port() -> int:
@@ -78,16 +85,22 @@ class Server:
 
 
 def children_of(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+    return children_of_each([pid])[pid]
+
+
+def children_of_each(pids: Iterable[int]) -> dict[int, list[int]]:
+    """The live children of each of `pids`, from one look at /proc (a test that polls the children
+    of several processes spent a tenth of a core reading /proc once for each)."""
+    found: dict[int, list[int]] = {pid: [] for pid in pids}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
             continue
-        with contextlib.suppress(OSError):
-            stat = (entry / "stat").read_text()
+        with contextlib.suppress(OSError), open(f"/proc/{name}/stat", "rb") as file:
+            stat = file.read()
             # pid (comm) state ppid ...: comm may hold spaces, so split after the last ')'
-            fields = stat[stat.rindex(")") + 2 :].split()
-            if int(fields[1]) == pid and fields[0] != "Z":
-                found.append(int(entry.name))
+            state, parent, _ = stat[stat.rindex(b")") + 2 :].split(None, 2)
+            if int(parent) in found and state != b"Z":
+                found[int(parent)].append(int(name))
     return found
 
 

@@ -16,10 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.serving import ROOT, finished_probe, free_port, make_result, running_server, wait_for
+from tests.serving import ROOT, finished_probe, free_port, make_result, running_server, wait_for, with_held
 
 TINY = {"in_features": 64, "hidden": 64, "layers": 1, "classes": 10}
-SLOW = {"workload": "gpt", "memory": "128MiB"}  # several seconds of trials on the budget device
 
 
 def _row_status(db: Path, job_id: str) -> str:
@@ -32,11 +31,13 @@ def _row_status(db: Path, job_id: str) -> str:
 
 
 def test_a_full_disk_keeps_job_states_true_and_readiness_honest(tmp_path: Path) -> None:
-    with running_server(tmp_path) as server, server.client() as client:
+    gate = tmp_path / "gate"
+    gate.touch()  # the probe stays after its first trial until the disk is full
+    with running_server(tmp_path, workloads=with_held(gate)) as server, server.client() as client:
         db = Path(server.db)
         published = make_result(options=TINY, max_micro_batch=12, max_batch_cap=16)
         assert client.post("/v1/results", json=published.model_dump(mode="json")).status_code == 201
-        probe = client.post("/v1/probes", json=SLOW).json()
+        probe = client.post("/v1/probes", json={"workload": "held"}).json()
         wait_for(
             lambda: client.get(f"/v1/probes/{probe['id']}").json()["trials"], 60, "the probe's first trial", server
         )
@@ -49,11 +50,12 @@ def test_a_full_disk_keeps_job_states_true_and_readiness_honest(tmp_path: Path) 
             assert "cannot be written" in ready.json()["problems"][0]
 
             # The probe finishes while nothing can be written: its answer is still the truth.
+            gate.unlink()
             done = finished_probe(client, probe["id"], timeout=120)
             assert done["status"] == "succeeded", done["error"]
             assert done["result"]["max_micro_batch"] >= 1
             assert _row_status(db, probe["id"]) == "running"  # the database could not say so yet
-            plan = client.get("/v1/plan", params={"workload": "gpt", "memory": "128MiB", "effective_batch": 8})
+            plan = client.get("/v1/plan", params={"workload": "held", "effective_batch": 8})
             assert plan.status_code == 200, plan.text  # answered from memory
             assert plan.json()["fingerprint"] == done["result"]["fingerprint"]
 

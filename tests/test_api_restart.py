@@ -10,11 +10,11 @@ from pathlib import Path
 import httpx
 
 from autotune.store import INTERRUPTED, Store
-from tests.serving import Server, alive, make_result, metric, start_server, wait_for
+from tests.serving import Server, alive, make_result, metric, start_server, wait_for, with_held
 
 TINY = {"in_features": 64, "hidden": 64, "layers": 1, "classes": 10}
 
-SLOW = {"workload": "gpt", "memory": "128MiB"}  # several seconds of trials on the budget device
+SLOW = {"workload": "held"}  # after its first trial, in the middle of its search while the gate exists
 
 
 def _running_with_a_trial(server: Server, client: httpx.Client, probe_id: str) -> dict[str, object]:
@@ -33,7 +33,9 @@ def _probe_children(server: Server) -> list[int]:
 
 
 def test_kill_9_mid_probe_then_restart(tmp_path: Path, database: str) -> None:
-    first = start_server(tmp_path / "first", db=database)
+    gate = tmp_path / "gate"
+    gate.touch()  # never removed: each probe is cut off in the middle
+    first = start_server(tmp_path / "first", db=database, workloads=with_held(gate))
     try:
         with first.client() as client:
             published = make_result(options=TINY, max_micro_batch=12, max_batch_cap=16)
@@ -49,7 +51,7 @@ def test_kill_9_mid_probe_then_restart(tmp_path: Path, database: str) -> None:
     # The probe child notices its parent is gone and exits: no orphan keeps probing.
     wait_for(lambda: not any(alive(pid) for pid in children), 15, f"probe children {children} to exit")
 
-    second = start_server(tmp_path / "second", db=database)
+    second = start_server(tmp_path / "second", db=database, workloads=with_held(gate))
     try:
         with second.client() as client:
             view = client.get(f"/v1/probes/{slow['id']}").json()

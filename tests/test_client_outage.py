@@ -31,7 +31,7 @@ import httpx
 import pytest
 
 from autotune.engine import lock
-from tests.serving import ROOT, children_of, start_server, wait_for
+from tests.serving import ROOT, children_of_each, start_server, wait_for
 
 # Every answer the client gets, on its stderr ("answer 503 store_unavailable", "answer ConnectError"),
 # and its plan and where it came from on stdout.
@@ -136,8 +136,10 @@ def test_a_store_outage_during_a_probe_starts_no_local_probe(tmp_path: Path, own
                     )
 
             def told_again_and_again() -> bool:
-                for client in clients:  # a local probe would be a child of the client: none may start
-                    children.setdefault(client.pid, set()).update(children_of(client.pid))
+                # A local probe would be a child of the client: none may start.
+                for pid, found in children_of_each(client.pid for client in clients).items():
+                    children.setdefault(pid, set()).update(found)
+                for client in clients:
                     assert client.poll() is None, client.communicate()
                 counts = [_answers(err).count("503 store_unavailable") for err in errs]
                 return min(counts) > OLD_CLIENT_TRIES

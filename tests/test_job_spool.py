@@ -29,7 +29,7 @@ from api.spool import JobSpool
 from autotune.engine.probe import ProbeRequest
 from autotune.results import ProbeResult, TrialRecord
 from autotune.store import Store, StoreError
-from tests.serving import children_of, make_result, running_server, wait_for
+from tests.serving import children_of, make_result, running_server, wait_for, with_held
 
 
 class Unwritable(Store):
@@ -148,9 +148,6 @@ def test_without_a_spool_file_another_worker_refuses_rather_than_say_running(nod
 
 
 # Through HTTP: two workers and a full disk ---------------------------------------------------------
-SLOW = {"workload": "gpt", "memory": "128MiB"}  # several seconds of trials on the budget device
-
-
 def _fill_disk(pids: list[int], limit: int) -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     for pid in pids:
@@ -158,16 +155,19 @@ def _fill_disk(pids: list[int], limit: int) -> None:
 
 
 def test_with_two_workers_and_a_full_disk_no_read_says_running_for_a_finished_probe(tmp_path: Path) -> None:
-    with running_server(tmp_path, workers=2, startup_timeout=120) as server:
+    gate = tmp_path / "gate"
+    gate.touch()  # the probe stays after its first trial until the disk is full
+    with running_server(tmp_path, workloads=with_held(gate), workers=2, startup_timeout=120) as server:
         processes = [server.process.pid, *children_of(server.process.pid)]
         assert len(processes) >= 3, processes  # the supervisor and its two workers
         # No keep-alive: each read a new connection, which either worker may accept.
         fresh = httpx.Limits(max_keepalive_connections=0)
         with httpx.Client(base_url=server.url, timeout=60, limits=fresh) as client:
-            probe = client.post("/v1/probes", json=SLOW).json()
+            probe = client.post("/v1/probes", json={"workload": "held"}).json()
             wait_for(lambda: client.get(f"/v1/probes/{probe['id']}").json()["trials"], 90, "a trial", server)
 
             _fill_disk(processes, 1)  # the disk is full for every server process
+            gate.unlink()  # and the probe goes on to its end
             reads: list[tuple[int, str]] = []
             try:
 
