@@ -6,6 +6,7 @@ loss over the whole window; the naive `loss / steps` must not, once the last win
 
 from __future__ import annotations
 
+import gc
 import re
 import runpy
 import socket
@@ -311,8 +312,8 @@ def free_port() -> int:
 
 def test_real_ddp_world_size_one_matches_the_full_batch_gradient() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    ddp = DistributedDataParallel(mlp())
     try:
-        ddp = DistributedDataParallel(mlp())
         batches = micro_batches(regression_data(14), 3)
         ranks = AcrossRanks.from_process_group()
         assert ranks.world_size == 1
@@ -322,6 +323,11 @@ def test_real_ddp_world_size_one_matches_the_full_batch_gradient() -> None:
         for window, grad in windows:
             assert relative_error(grad, full_grad(ddp.module, window)) < 1e-6
     finally:
+        # The model goes before its group. Were DDP's reducer the group's last holder, the group's
+        # destructor would join gloo's threads with the GIL held, and a thread still freeing the
+        # last backward's allreduce needs the GIL: a worker hung here once, under load (torch 2.13).
+        del ddp
+        gc.collect()
         dist.destroy_process_group()
 
 
