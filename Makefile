@@ -33,15 +33,18 @@ demo: $(STAMP)
 	$(VENV)/bin/autotune probe gpt --effective-batch 256 --save demo-result.json
 	@echo "autotune is installed in .venv: run .venv/bin/autotune (e.g. .venv/bin/autotune probe --help), or 'source .venv/bin/activate' first"
 
-# Two pytest workers (one per core), each test file on one worker (its module fixtures made once), in
+# Three pytest workers on two cores, each test file on one worker (its module fixtures made once), in
 # the order tests/conftest.py gives (the longest files first; xdist would order them by test count).
-# One torch thread per process: with two workers and their probes' children, torch's default of a
-# thread per core oversubscribes the cores and its spinning threads slow every process down.
+# A third worker runs while one of the others waits (on a server starting, a client's retries, a
+# killed process): quiet, on the 2-core VM, three workers took 432, 449 and 439 s where two took
+# 484, 443 and 453 s, each pair run one after the other (2026-11-27).
+# One torch thread per process: with several workers and their probes' children, torch's default of
+# a thread per core oversubscribes the cores and its spinning threads slow every process down.
 # Bytecode is cached even where the environment says not to (PYTHONDONTWRITEBYTECODE, as some CI
 # images set): the suite starts hundreds of interpreters and probe children, and without a cache each
 # compiled every module of autotune, api and tests it imported, and pytest rewrote every test module
 # in each worker (the CLI and progress tests took 12% more CPU; the whole suite, run side by side, 1%).
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 
 test: $(STAMP) chromium
 	$(VENV)/bin/ruff check .

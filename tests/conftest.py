@@ -24,32 +24,30 @@ atexit.register(shutil.rmtree, os.environ["AUTOTUNE_LOCK_DIR"], True)
 # created (at import): a test that widens the terminal with COLUMNS then still got 80 columns.
 os.environ.pop("COLUMNS", None)
 
-# `make test` runs two workers, each test file on one (--dist loadfile): the longest files go first,
-# so that neither worker is left with one of them at the end while the other idles. The order is
-# each file's seconds in a full run (`--durations`, 2026-11-26, 2-core VM), longest first.
+# `make test` runs three workers, each test file on one (--dist loadfile): the longest files go first,
+# so that no worker is left with one of them at the end while the others idle. The order is
+# each file's seconds in a full run (2026-11-27, 2-core VM), longest first.
 LONGEST_FIRST = (
-    "test_estimate.py",
-    "test_readme.py",
-    "test_api_contract.py",
-    "test_parallel.py",
-    "test_probe.py",
-    "test_progress.py",
     "test_cuda_truth.py",
-    "test_cli.py",
-    "test_client_outage.py",
-    "test_isolation.py",
-    "test_run_holds.py",
-    "test_api_restart.py",
-    "test_cluster.py",
+    "test_readme.py",
+    "test_probe.py",
+    "test_estimate.py",
+    "test_parallel.py",
+    "test_api_contract.py",
     "test_frameworks_readme.py",
-    "test_api_faults.py",
-    "test_rank_agreement.py",
-    "test_integration_transformers.py",
-    "test_bench_serve.py",
-    "test_api_readme.py",
+    "test_api_restart.py",
+    "test_cli.py",
+    "test_cluster.py",
     "test_predict.py",
-    "test_job_spool.py",
     "test_zygote.py",
+    "test_api_readme.py",
+    "test_client_outage.py",
+    "test_progress.py",
+    "test_integration_errors.py",
+    "test_device_lock.py",
+    "test_cli_inputs.py",
+    "test_integration_lightning.py",
+    "test_bench_serve.py",
 )
 
 
