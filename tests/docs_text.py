@@ -68,3 +68,13 @@ def all_text() -> str:
 def prose(text: str) -> str:
     """`text` with its line breaks undone, so that a quoted phrase may span lines."""
     return " ".join(text.split())
+
+
+def run_as_main(source: str, filename: str) -> dict[str, object]:
+    """Run a snippet pasted from a page as a user's script (`__name__ == "__main__"`), in this
+    process, and return its globals. A test's process has torch and autotune imported already: an
+    interpreter of the snippet's own spent 2 s of CPU importing torch again, for a snippet whose
+    point is what it computes, not that it starts."""
+    scope: dict[str, object] = {"__name__": "__main__"}
+    exec(compile(source, filename, "exec"), scope)
+    return scope

@@ -19,7 +19,7 @@ import pytest
 
 from autotune.settings import Settings
 from autotune.workloads.registry import load_registry
-from tests.docs_text import blocks, page, section
+from tests.docs_text import blocks, page, run_as_main, section
 from tests.serving import free_port, metric, start_server
 
 TEXT = section("README.md", "The service")
@@ -61,15 +61,14 @@ def test_the_curl_session_then_the_client_in_a_training_loop(
     assert "Traceback" not in done.stderr, done.stderr
 
     # The result the session stored answers the training job's query after a restart: no probe. The
-    # job runs in this process (an interpreter of its own spent 2 s of CPU importing torch again);
-    # the service it asks is a process of its own, restarted.
+    # job runs in this process (run_as_main); the service it asks is a process of its own, restarted.
     (snippet,) = [b for b in _blocks("python") if "AutotuneClient" in b]
     server = start_server(tmp_path / "restarted", db=db, token=TOKEN)
     try:
         monkeypatch.setenv("AUTOTUNE_URL", server.url)
         monkeypatch.setenv("AUTOTUNE_TOKEN", TOKEN)
         capsys.readouterr()
-        exec(compile(snippet, "<readme>", "exec"), {"__name__": "__main__"})
+        run_as_main(snippet, "<readme>")
         printed = capsys.readouterr().out
         assert "7 micro-steps of [5, 5, 5, 5, 4, 4, 4] samples" in printed  # 5: with accumulation
         assert "last loss" in printed

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.docs_text import section
+from tests.docs_text import run_as_main, section
 
 SECTION = section("README.md", "Using the plan in your training loop")
 
@@ -23,8 +23,7 @@ def test_the_saved_plan_trains_a_script_with_exactly_the_effective_batch(
     assert args[0] == "autotune" and "--save" in args
     # The command through the CLI's entry point in this process (its probe's processes fork from the
     # server this process's probes share; the CLI as a process of its own is test_cli's), and the
-    # script too, in a namespace of its own: what it proves is the plan's windows, and an interpreter
-    # of its own spent 2 s of CPU importing torch again.
+    # script too (tests.docs_text.run_as_main): what it proves is the plan's windows.
     from autotune import cli
 
     monkeypatch.chdir(tmp_path)
@@ -46,6 +45,5 @@ def test_the_saved_plan_trains_a_script_with_exactly_the_effective_batch(
     )
     counting = block.replace("    if step.should_step:", counted)
     script = "seen, steps = [], []\n" + counting
-    scope: dict[str, object] = {"__name__": "__main__"}
-    exec(compile(script, "<readme>", "exec"), scope)
+    scope = run_as_main(script, "<readme>")
     assert scope["steps"] == [100], (scope["steps"], scope["plan"])

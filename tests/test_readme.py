@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.docs_text import ROOT, console_commands, headings, page, pages, prose, section
+from tests.docs_text import ROOT, console_commands, headings, page, pages, prose, run_as_main, section
 
 BIN = Path(sys.executable).parent
 
@@ -54,8 +54,7 @@ def test_make_demo_probes_the_builtin_example_and_plans(monkeypatch: pytest.Monk
     lines = proc.stdout.strip().splitlines()
     assert lines[-1].startswith("autotune is installed in .venv: run .venv/bin/autotune"), lines[-1]
     # The summary's closing lines, pasted into a script: the saved plan runs in a loader, and every
-    # optimizer step but the last sees the effective batch of 256. The script runs in this process,
-    # which has its imports already (an interpreter of its own spent 2 s of CPU importing torch).
+    # optimizer step but the last sees the effective batch of 256.
     start = next(i for i, line in enumerate(lines) if line.startswith("in Python"))
     pasted = [line.removeprefix("  ") for line in lines[start + 1 : start + 4]]
     assert pasted[0].startswith("plan = autotune.load_result(") and pasted[2].startswith("for step in ")
@@ -71,9 +70,7 @@ def test_make_demo_probes_the_builtin_example_and_plans(monkeypatch: pytest.Monk
         ]
     )
     monkeypatch.chdir(ROOT)
-    scope: dict[str, object] = {"__name__": "__main__"}
-    exec(compile(script, "<pasted>", "exec"), scope)
-    assert scope["windows"] == [256, 256, 256, 1000 - 3 * 256], script
+    assert run_as_main(script, "<pasted>")["windows"] == [256, 256, 256, 1000 - 3 * 256], script
 
 
 @pytest.mark.parametrize("command", PROBING)
