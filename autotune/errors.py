@@ -3,15 +3,19 @@
     AutotuneError                  every error autotune raises on purpose
     ├── ConfigError                bad input from a user: a size, a target, a flag (CLI exit 2)
     │   ├── WorkloadError          a target that cannot be resolved or built
-    │   │   └── FlatMemoryError    its memory does not grow with the batch (make_batch ignores it)
+    │   │   ├── FlatMemoryError    its memory does not grow with the batch (make_batch ignores it)
+    │   │   └── NotRepeatableError its batch's shapes change from call to call at one size
     │   └── PlanError              an effective batch / world size that no plan can satisfy
     ├── ProbeError                 a probe that ran and could not answer (CLI exit 1)
     │   ├── NothingFitsError       even batch 1 exceeds the budget
     │   ├── NotAnOOMError          a trial failed with an error that is not out-of-memory
+    │   ├── LeakError              live memory grows from step to step
+    │   │   └── KeptMemoryError    a trial left memory on the device for the next one
     │   ├── ProbeCrashedError      the isolated child died (signal, segfault, sticky CUDA error)
     │   ├── ProbeTimeoutError      the isolated child ran past its timeout
     │   ├── InsufficientMemoryError the device has less free memory than a probe needs to start
-    │   └── DeviceBusyError        another probe holds the device's lock (--no-wait)
+    │   ├── DeviceBusyError        another probe holds the device's lock (--no-wait)
+    │   └── UnconfirmedError       a plan whose answer a fresh process did not confirm, used as one
     ├── DeviceError                a device that is missing or unusable (CLI exit 2: bad input here)
     ├── StoreError                 the database cannot be opened, read or written
     ├── QueueFullError             a device's probe queue is full (HTTP 429, Retry-After)
@@ -51,6 +55,11 @@ class FlatMemoryError(WorkloadError):
     memory, so there is no largest one (usually make_batch ignores its batch_size)."""
 
 
+class NotRepeatableError(WorkloadError):
+    """A workload whose batch at one size is not the same from call to call (make_batch gives
+    other shapes): a peak measured once holds for no size."""
+
+
 class DoubleScalingError(ConfigError):
     """autotune.plans.accumulate's loss weights combined with a framework that divides the loss again."""
 
@@ -82,9 +91,21 @@ class NotAnOOMError(ProbeError):
 
 
 class LeakError(ProbeError):
-    """The workload's live memory grows with every optimizer step: no micro-batch holds for a whole run."""
+    """The workload's live memory grows from optimizer step to optimizer step (from the start, or
+    from `started_at_step` on): no micro-batch holds for a whole run."""
 
     bytes_per_step: int | None = None
+    started_at_step: int | None = None
+
+
+class KeptMemoryError(LeakError):
+    """A trial left memory on the device that the next trial would start with (a cache per batch
+    size, a kept output): every later answer would be low. `trial` (counted from 1) left
+    `kept_bytes` at micro-batch `batch`."""
+
+    trial: int | None = None
+    batch: int | None = None
+    kept_bytes: int | None = None
 
 
 class ProbeCrashedError(ProbeError):
@@ -101,6 +122,11 @@ class InsufficientMemoryError(ProbeError):
 
 class DeviceBusyError(ProbeError):
     """Another probe on this node holds the device's lock, and this one was told not to wait."""
+
+
+class UnconfirmedError(ProbeError):
+    """A saved result's plan was asked for, and its answers were not confirmed in a fresh process
+    (`autotune.load_result(path, allow_unconfirmed=True)` takes it anyway)."""
 
 
 class RunOutOfMemoryError(AutotuneError):

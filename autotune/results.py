@@ -15,14 +15,17 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, computed_field
 
-from autotune.errors import ConfigError
+from autotune.errors import ConfigError, UnconfirmedError
 from autotune.plans.plan import Plan, Policy, plan_for_loops
 
 # 2: trials run the job's loop (micro-steps, prefetch); `max_micro_batch` holds with accumulation,
 # `max_micro_batch_without_accumulation` for one micro-step; fresh-process `confirmation`.
 SCHEMA_VERSION = 2
+# The exit code of `autotune probe` for an answer that a fresh process did not confirm (a fresh run
+# fitted at another peak than the probe's): answered, but not as verified as it says.
+NOT_CONFIRMED_EXIT_CODE = 4
 
 
 class LoopShape(BaseModel):
@@ -363,6 +366,39 @@ class Confirmation(BaseModel):
         return sum(len(c.runs) for c in self.checks)
 
 
+AnswerName = Literal["max_micro_batch", "max_micro_batch_without_accumulation", "plan"]
+
+
+class AnswerVerdict(BaseModel):
+    """One answer of a result: the size, the loop it fitted in (and one more did not), and whether a
+    fresh process ran it again."""
+
+    answer: AnswerName
+    micro_batch: int
+    loop: LoopShape = Field(description="The loop the probe verified it in: it fitted there, and one more did not.")
+    confirmed: bool | None = Field(
+        description="True: it (or a larger size of the same loop kind) fitted again in a fresh process at the "
+        "probe's peak; False: a fresh run did not repeat the probe's peak; None: not run again."
+    )
+    words: str = Field(description="The same, in words, as the summary prints it.")
+
+
+class Verdict(BaseModel):
+    """What a result's answers were verified for and whether they were confirmed, in one place: the
+    summary's answer block, `--json`, the saved file and the service print this."""
+
+    status: Literal["confirmed", "not-confirmed", "unconfirmed"] = Field(
+        description="confirmed: every answer ran again in a fresh process and fitted there (lowered where it did "
+        "not); not-confirmed: a fresh run did not repeat what the probe measured; unconfirmed: not run again "
+        "(--no-confirm, or live objects that a fresh process cannot build)."
+    )
+    exit_code: int = Field(
+        description=f"`autotune probe`'s exit code for this result: 0, or {NOT_CONFIRMED_EXIT_CODE} when not confirmed."
+    )
+    answers: list[AnswerVerdict]
+    note: str = Field(description="The status in words, with what was not verified.")
+
+
 class RunFailure(BaseModel):
     """A training run that ran out of memory at a micro-batch this result had answered (reported
     by the accumulation helper's OOM guard through the service)."""
@@ -515,6 +551,12 @@ class ProbeResult(BaseModel):
         at = self.trial_at_answer
         return None if at is None else at.breakdown
 
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def verdict(self) -> Verdict:
+        """Each answer's loop and confirmation, and the result's status and exit code."""
+        return _verdict(self)
+
     def loop_trials(self, micro_steps: int | None = None) -> list[TrialRecord]:
         """The trials of one loop shape (the answer's by default)."""
         wanted = self.loop.micro_steps if micro_steps is None else micro_steps
@@ -577,6 +619,65 @@ class ProbeResult(BaseModel):
         return made.model_copy(update={"warnings": [*made.warnings, warning]})
 
 
+def _verdict(result: ProbeResult) -> Verdict:
+    confirmation = result.confirmation
+    checks = [] if confirmation is None else confirmation.checks
+    single_loop = next((a.loop for a in result.answers if not a.loop.accumulates), None) or result.loop.model_copy(
+        update={"micro_steps": 1}
+    )
+    plan: Plan | None = result.__dict__.get("plan")  # the field itself: a loaded result guards `.plan`
+    named: list[tuple[AnswerName, int | None, LoopShape]] = [
+        ("max_micro_batch", result.max_micro_batch, result.loop),
+        ("max_micro_batch_without_accumulation", result.max_micro_batch_without_accumulation, single_loop),
+    ]
+    if plan is not None:
+        named.append(("plan", plan.micro_batch, single_loop if plan.accumulation_steps == 1 else result.loop))
+    answers: list[AnswerVerdict] = []
+    for name, size, loop in named:
+        if size is None:
+            continue
+        # Its own fresh run, or a larger one of the same loop kind that fitted (memory grows with the batch).
+        runs = [
+            c
+            for c in checks
+            if c.loop.accumulates == loop.accumulates and c.confirmed is not None and c.confirmed >= size
+        ]
+        own = next((c for c in runs if c.answer == name), None)
+        check = own or (min(runs, key=lambda c: c.confirmed or 0) if runs else None)
+        confirmed: bool | None
+        if confirmation is None or confirmation.status == "skipped" or check is None:
+            confirmed, again = None, "not run again in a fresh process"
+        elif check.mismatch:
+            confirmed, again = False, "NOT confirmed: its fresh run did not repeat the probe's peak"
+        else:
+            covered = "" if check is own else f" (covered by {check.confirmed}'s run)"
+            confirmed = True
+            again = f"confirmed in a fresh process{covered}"
+            if check is own and check.confirmed is not None and check.confirmed < check.searched:
+                again += f", lowered there from {check.searched}"
+        label = {"max_micro_batch": "max micro-batch", "plan": "the plan's micro-batch"}.get(
+            name, "max micro-batch without accumulation"
+        )
+        words = f"{label} {size}: verified for {loop.describe()}; {again}"
+        answers.append(AnswerVerdict(answer=name, micro_batch=size, loop=loop, confirmed=confirmed, words=words))
+    if confirmation is None:
+        status, note = "unconfirmed", "unconfirmed: this result has no fresh-process confirmation"
+    elif confirmation.status == "skipped":
+        status, note = "unconfirmed", confirmation.note or "unconfirmed: not run again in a fresh process"
+    elif confirmation.status == "mismatch" or any(a.confirmed is False for a in answers):
+        status, note = "not-confirmed", confirmation.note.removeprefix("not confirmed: ")
+    else:
+        status, note = "confirmed", "every answer fitted again in a fresh process"
+        if confirmation.status == "stepped-down":
+            note += ", where some were lowered"
+    return Verdict(
+        status=status,  # type: ignore[arg-type]
+        exit_code=NOT_CONFIRMED_EXIT_CODE if status == "not-confirmed" else 0,
+        answers=answers,
+        note=note,
+    )
+
+
 # The result file -------------------------------------------------------------------------------
 def save_result(result: ProbeResult, path: str | Path) -> Path:
     """Write `result` as JSON to `path` whole or not at all (a temporary file renamed over it): a
@@ -595,11 +696,57 @@ def save_result(result: ProbeResult, path: str | Path) -> Path:
     return target
 
 
-def load_result(path: str | Path) -> ProbeResult:
+class SavedResult(ProbeResult):
+    """A probe result read from a file, for a job to run: its `.plan` is the plan, checked first.
+
+    `.plan` raises UnconfirmedError when the answers were not confirmed in a fresh process (a fresh
+    run did not repeat the probe's peak, or --no-confirm), unless the file was loaded with
+    `allow_unconfirmed=True`; and ConfigError naming `--effective-batch` when the probe made no plan.
+    Everything else reads as the result's own."""
+
+    _allow_unconfirmed: bool = PrivateAttr(default=False)
+    _source: str = PrivateAttr(default="the result")
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "plan":
+            return object.__getattribute__(self, "checked_plan")()
+        return super().__getattribute__(name)
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to the result it was saved from: the same fields, whatever it was loaded with."""
+        if isinstance(other, ProbeResult):
+            return self.__dict__ == other.__dict__
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # as ProbeResult's: a mutable model
+
+    def checked_plan(self) -> Plan:
+        """The plan to run; see the class's docstring for what it refuses."""
+        plan: Plan | None = self.__dict__.get("plan")
+        source = self._source
+        if plan is None:
+            raise ConfigError(
+                f"{source} has no plan: it was probed without --effective-batch. Probe again with "
+                "`--effective-batch E` (the samples per optimizer step your job wants), or make one from its "
+                "answers with `.make_plan(E)`"
+            )
+        verdict = self.verdict
+        if verdict.status != "confirmed" and not self._allow_unconfirmed:
+            raise UnconfirmedError(
+                f"{source}'s plan was not confirmed ({verdict.note}): probe again (the exit code says whether the "
+                "answer was confirmed), or load it with autotune.load_result(path, allow_unconfirmed=True) to run it "
+                "anyway"
+            )
+        return plan
+
+
+def load_result(path: str | Path, *, allow_unconfirmed: bool = False) -> SavedResult:
     """The probe result in `path` (`autotune probe --save PATH`, or `--json > PATH`): its `.plan` is the
     plan to run (`plan.sampler(len(dataset))` gives a loader its micro-batches), its answers the sizes.
 
-    Raises ConfigError naming the file and what is wrong with it."""
+    `.plan` raises UnconfirmedError for answers a fresh process did not confirm (`verdict.status`
+    is not "confirmed"), unless `allow_unconfirmed`, and ConfigError for a result probed without
+    --effective-batch. Raises ConfigError naming the file and what is wrong with it."""
     source = Path(path).expanduser()
     try:
         text = source.read_text(encoding="utf-8")
@@ -617,8 +764,11 @@ def load_result(path: str | Path) -> ProbeResult:
         message = data["error"].get("message", "no message")
         raise ConfigError(f"{source} holds a failed probe, not a result: {message}")
     try:
-        return ProbeResult.model_validate(data)
+        result = SavedResult.model_validate(data)
     except ValueError as exc:  # pydantic's ValidationError
         first = str(exc).splitlines()
         detail = "; ".join(line.strip() for line in first[1:3]) if len(first) > 1 else str(exc)
         raise ConfigError(f"{source} is not a probe result ({detail})") from None
+    result._allow_unconfirmed = allow_unconfirmed
+    result._source = str(source)
+    return result

@@ -59,3 +59,49 @@ def lighter_when_confirmed() -> Workload:
         return model(x).square().mean()
 
     return Workload(name="lighter-when-confirmed", build_model=_mlp, make_batch=_batch, loss=loss, optimizer="sgd")
+
+
+def late_leak(start: int = 7) -> Workload:
+    """Keeps every output from its `start`-th loss call on, counted over the process: a leak that
+    starts late (a debugging list filled after a warm-up, a logger that starts keeping tensors)."""
+    kept: list[torch.Tensor] = []
+    calls = [0]
+
+    def loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        out = model(x)
+        if calls[0] >= start:
+            kept.append(out)
+        return out.square().mean()
+
+    return Workload(name="late-leak", build_model=_mlp, make_batch=_batch, loss=loss, optimizer="sgd")
+
+
+def cache_per_size() -> Workload:
+    """Caches a tensor per batch size in its loss (a mask or position table keyed by the batch's
+    shape): a run at one size keeps one, a probe's trials at many sizes keep them all."""
+    cache: dict[int, torch.Tensor] = {}
+
+    def loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        weights = cache.setdefault(x.shape[0], torch.ones(x.shape[0], 10, device=x.device))
+        return (model(x) * weights).square().mean()
+
+    return Workload(name="cache-per-size", build_model=_mlp, make_batch=_batch, loss=loss, optimizer="sgd")
+
+
+def shape_changes() -> Workload:
+    """make_batch gives a sequence of another length at every call (a random crop, a sampled
+    length): no peak belongs to the batch size."""
+    calls = [0]
+
+    def batch(b: int, device: torch.device) -> torch.Tensor:
+        calls[0] += 1
+        return torch.randn(b, 8 + calls[0] % 5, 64, device=device)
+
+    return Workload(
+        name="shape-changes",
+        build_model=_mlp,
+        make_batch=batch,
+        loss=lambda model, x: model(x).square().mean(),
+        optimizer="sgd",
+    )

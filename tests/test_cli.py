@@ -48,7 +48,13 @@ def test_probe_summary_in_process_with_user_workload_options() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "max micro-batch:" in proc.stdout
     assert "plan (exact)" in proc.stdout
-    assert "verified for: " in proc.stdout and "confirmed in a fresh process: max_micro_batch" in proc.stdout
+    assert "confirmed in a fresh process: max_micro_batch" in proc.stdout
+    # Each answer with the loop it was verified for and its confirmation; the plan's, and the verdict.
+    assert "with gradient accumulation\n  without accumulation" in proc.stdout
+    for answer in ("max micro-batch", "max micro-batch without accumulation"):
+        assert f"\n  {answer} " in proc.stdout and "verified for " in proc.stdout
+    assert "; confirmed in a fresh process\n" in proc.stdout
+    assert "\nanswered and confirmed: every answer fitted again in a fresh process\n" in proc.stdout
 
 
 def test_no_confirm_says_unconfirmed_and_the_loop_in_words() -> None:

@@ -81,8 +81,14 @@ def test_a_fresh_run_at_a_fraction_of_the_probes_peak_is_flagged_not_passed() ->
         cwd=ROOT,
         check=False,
     )
-    assert proc.returncode == 0, proc.stderr
-    confirmation = json.loads(proc.stdout)["confirmation"]
+    # Answered, not confirmed: its own exit code, the JSON's verdict says the same, one line on stderr.
+    assert proc.returncode == 4, proc.stderr
+    document = json.loads(proc.stdout)
+    assert document["verdict"]["status"] == "not-confirmed" and document["verdict"]["exit_code"] == 4
+    assert all(a["confirmed"] is False for a in document["verdict"]["answers"])
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("answered, not confirmed (exit 4)")]
+    assert "the fresh process peaked at" in line
+    confirmation = document["confirmation"]
     assert confirmation["status"] == "mismatch" and confirmation["passed"] is False
     flagged = [c for c in confirmation["checks"] if c["mismatch"]]
     assert flagged and all(c["probe_peak_bytes"] > c["runs"][0]["peak_allocated_bytes"] for c in flagged)
@@ -96,3 +102,104 @@ def test_the_tolerance() -> None:
     assert peak_mismatch("plan", 8, 200 << 10, 900 << 10) is None  # under the 1 MiB slack
     assert peak_mismatch("plan", 8, 178 << 10, 3800 << 10) is not None  # the issue's case
     assert peak_mismatch("plan", 8, 100 * mib, None) is None  # no probe trial at that size
+
+
+def _probe(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [AUTOTUNE, "probe", *args, "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        check=False,
+    )
+
+
+def _one_line(proc: subprocess.CompletedProcess[str], starts: str) -> str:
+    assert "Traceback" not in proc.stderr
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith(starts)]
+    return line
+
+
+def test_memory_kept_by_a_trial_fails_the_probe_naming_the_trial_and_what_it_kept() -> None:
+    # Issue 36: a cache per batch size answered 51 / 1054 in 44 trials with exit 0.
+    proc = _probe("tests.leak_workloads:cache_per_size", "--memory", "4MiB", "--json")
+    assert proc.returncode == 1
+    line = _one_line(proc, "probe failed: memory kept between trials")
+    # The predictor's second timeline trial (batch 2) left its cache; the first trial's cache (batch
+    # 4) joined the baseline, as a cache built once would.
+    assert "trial 2 (micro-batch 2" in line and "512 B more live" in line, line
+    assert "float32[2, 10], allocated by aten.ones.default" in line, line
+    error = json.loads(proc.stdout)["error"]
+    assert error["type"] == "KeptMemoryError" and error["exit_code"] == 1
+
+
+def test_a_runner_tells_memory_kept_between_trials_from_a_cache_built_once() -> None:
+    from autotune.errors import KeptMemoryError
+
+    runner = TrialRunner(leak_workloads.cache_once(), BudgetDevice(4 << 20))
+    for size in (4, 8, 2, 4):  # built once, in the first trial: part of the job's memory, every later trial
+        assert runner(size).fits
+    assert runner.kept_once is not None and "left by trial 1 (batch 4)" in runner.kept_once
+    per_size = TrialRunner(leak_workloads.cache_per_size(), BudgetDevice(4 << 20))
+    assert per_size(4).fits
+    with pytest.raises(KeptMemoryError) as caught:
+        per_size(8)
+    assert (caught.value.trial, caught.value.batch, caught.value.kept_bytes) == (2, 8, 512)
+
+
+def test_a_leak_that_starts_late_fails_the_probe() -> None:
+    # Issue 36: memory that grows from the 7th step on answered "none fits with accumulation", exit 0.
+    proc = _probe("tests.leak_workloads:late_leak", "--memory", "4MiB", "--effective-batch", "64")
+    assert proc.returncode == 1
+    line = _one_line(proc, "probe failed: memory kept between trials")
+    assert "grad_fn AddmmBackward0" in line  # the kept output, with its graph
+
+
+def test_a_leak_that_starts_late_in_a_trial_is_named_with_its_first_step() -> None:
+    # Outputs kept from the 4th loss call: steps 1-3 flat, then growth at every step. A trial's
+    # steps after the second must not grow: two increases make a leak, wherever they start.
+    runner = TrialRunner(leak_workloads.late_leak(start=4), BudgetDevice(4 << 20), steps=6)
+    with pytest.raises(LeakError) as caught:
+        runner(4)
+    assert caught.value.started_at_step == 4
+    assert "grew from step 4 on by 512 B per step" in str(caught.value)
+
+
+def test_a_fresh_process_confirmation_sees_a_leak_that_starts_within_its_steps() -> None:
+    # The search's process runs 3 loss calls before the leak starts at call 4 only when --confirm-steps
+    # lets the confirmation reach it: a leak that starts at a fresh process's 4th step is seen there.
+    proc = _probe("tests.leak_workloads:late_leak", "-o", "start=1000000", "--memory", "4MiB", "--confirm-steps", "5")
+    assert proc.returncode == 0, proc.stderr  # never starts: a clean probe
+    from autotune.engine.confirm import FreshRunRequest, _one_trial
+    from autotune.request import ProbeRequest
+    from autotune.results import LoopShape
+
+    job = FreshRunRequest(
+        probe=ProbeRequest(target="tests.leak_workloads:late_leak", options={"start": 4}, device="cpu"),
+        batch=4,
+        loop=LoopShape(micro_steps=1, steps=5),
+        device_kind="cpu-budget",
+        device_index=None,
+        total_bytes=4 << 20,
+        limit_bytes=4 << 20,
+    )
+    with pytest.raises(LeakError, match="from step 4 on"):
+        _one_trial(job)
+
+
+def test_a_workload_whose_batch_is_not_repeatable_is_refused_by_probe_and_estimate() -> None:
+    # Issue 36: `estimate` of a workload whose shape changes on every call answered 70 / 297, exit 0.
+    for command in ("probe", "estimate"):
+        proc = subprocess.run(
+            [AUTOTUNE, command, "tests.leak_workloads:shape_changes", "--memory", "4MiB"]
+            + (["--device", "cpu"] if command == "probe" else ["--overhead", "0"]),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+            check=False,
+        )
+        assert proc.returncode == 2, (command, proc.stderr)
+        line = _one_line(proc, "error: make_batch(")
+        assert "is not repeatable" in line and "float32[" in line, line

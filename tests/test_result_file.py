@@ -30,8 +30,8 @@ def result() -> ProbeResult:
 
 def test_saved_and_loaded_the_result_and_its_plan_are_the_same(result: ProbeResult, tmp_path: Path) -> None:
     path = save_result(result, tmp_path / "result.json")
-    loaded = autotune.load_result(path)
-    assert loaded == result
+    loaded = autotune.load_result(path, allow_unconfirmed=True)  # an in-process probe: no fresh process ran it
+    assert loaded == result and result == loaded
     assert loaded.plan is not None and sum(loaded.plan.micro_batches) == 1000
     sampler = loaded.plan.sampler(2500, shuffle=False)
     assert isinstance(sampler, PlanBatchSampler)
@@ -83,3 +83,22 @@ def test_a_hand_made_plan_says_how_to_verify_it() -> None:
 def test_the_docs_name_the_file_functions() -> None:
     text = (ROOT / "docs" / "probing.md").read_text()
     assert "--save FILE.json" in text and "autotune.load_result(path)" in text
+
+
+def test_a_plan_that_was_not_confirmed_or_never_made_is_refused_with_the_fix(
+    result: ProbeResult, tmp_path: Path
+) -> None:
+    from autotune.errors import UnconfirmedError
+    from autotune.results import Confirmation
+
+    skipped = Confirmation(status="skipped", passed=False, steps=2, note="unconfirmed (--no-confirm): not run again")
+    path = save_result(result.model_copy(update={"confirmation": skipped}), tmp_path / "result.json")
+    loaded = autotune.load_result(path)
+    assert loaded.max_micro_batch == result.max_micro_batch  # the answers read as they are
+    with pytest.raises(UnconfirmedError, match=r"allow_unconfirmed=True"):
+        _ = loaded.plan
+    assert autotune.load_result(path, allow_unconfirmed=True).plan == result.plan
+    no_plan = save_result(result.model_copy(update={"plan": None}), tmp_path / "no-plan.json")
+    with pytest.raises(ConfigError, match=r"without --effective-batch.*`--effective-batch E`.*\.make_plan\(E\)"):
+        _ = autotune.load_result(no_plan, allow_unconfirmed=True).plan
+    assert autotune.load_result(no_plan, allow_unconfirmed=True).make_plan(64).effective_batch == 64

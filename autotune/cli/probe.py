@@ -112,18 +112,24 @@ def probe(
     parallel: ParallelOption = "none",
     reshard_after_forward: ReshardOption = True,
     wait: WaitOption = True,
-) -> None:
+) -> int:
     """Probe the largest micro-batch of TARGET that fits within the budget, and plan accumulation
     for --effective-batch. TARGET is a built-in example (mlp, cnn, gpt) or module:attribute naming a
     Workload (or a function of -o options returning one).
 
-    Exit codes: 0 with an answer, 1 when the probe could not answer, 2 for bad input, 130 when
-    interrupted (Ctrl-C) and 143 when terminated (SIGTERM), after the probe's processes have
-    exited, with a line saying how many trials ran. One probe per device on this node: while
+    Exit codes: 0 with a confirmed answer (or --no-confirm), 4 with an answer that a fresh process did
+    not confirm (the last line says why), 1 when the probe could not answer (a leak, memory kept
+    between trials, nothing fits), 2 for bad input (a workload whose batch is not repeatable too),
+    130 when interrupted (Ctrl-C) and 143 when terminated (SIGTERM), after the probe's processes
+    have exited, with a line saying how many trials ran. One probe per device on this node: while
     another holds it, this one waits (or, with --no-wait, exits 1 naming it)."""
     request, settings, seconds = probe_request(dict(locals()))
     result = run_with_progress(request, in_process, seconds, wait=wait)
     _report(result, json_output=json_output, save=save, plot=plot, publish=publish, settings=settings)
+    verdict = result.verdict
+    if verdict.exit_code and json_output:  # the summary's last line says it otherwise
+        err.print(f"answered, not confirmed (exit {verdict.exit_code}): {verdict.note}", highlight=False, markup=False)
+    return verdict.exit_code
 
 
 def _report(

@@ -103,7 +103,10 @@ def print_summary(result: ProbeResult, saved: str | None = None) -> None:
         )
         if single is not None and result.loop.accumulates:
             out.print(f"  without accumulation (one micro-step per optimizer step): {single}")
-    out.print(f"  verified for: {result.loop.describe()}", highlight=False, markup=False)
+    verdict = result.verdict
+    for answer in verdict.answers:
+        if answer.answer != "plan":
+            out.print(f"  {answer.words}", highlight=False, markup=False)
     if result.workload.parallel.strategy != "none":
         from autotune.parallel import describe
 
@@ -137,16 +140,31 @@ def print_summary(result: ProbeResult, saved: str | None = None) -> None:
     if result.plan is not None:
         for line in plan_lines(result.plan):
             out.print(line)
-        for line in python_lines(saved):
+    out.print(_verdict_line(result), highlight=False)
+    if result.plan is not None and verdict.status != "not-confirmed":
+        for line in python_lines(saved, allow_unconfirmed=verdict.status != "confirmed"):
             out.print(line, highlight=False, markup=False)
 
 
-def python_lines(saved: str | None) -> list[str]:
-    """How to run the plan in a script: three lines to paste (the file --save wrote, or where to save it)."""
+def _verdict_line(result: ProbeResult) -> str:
+    """The result's status, one line (markup): what the exit code says."""
+    verdict = result.verdict
+    if verdict.status == "confirmed":
+        return f"[green]answered and confirmed[/]: {escape(verdict.note)}"
+    if verdict.status == "not-confirmed":
+        return f"[red]answered, NOT confirmed (exit {verdict.exit_code}):[/] {escape(verdict.note)}"
+    words = verdict.note if verdict.note.startswith("unconfirmed") else f"unconfirmed: {verdict.note}"
+    return f"[yellow]answered, {escape(words)}[/]"
+
+
+def python_lines(saved: str | None, *, allow_unconfirmed: bool = False) -> list[str]:
+    """How to run the plan in a script: three lines to paste (the file --save wrote, or where to save
+    it); an unconfirmed result's plan is loaded only when asked for as such."""
     path = saved if saved is not None else "result.json"
+    allow = ", allow_unconfirmed=True" if allow_unconfirmed else ""
     lines = [
         "in Python" + (":" if saved is not None else f" (probe again with --save {path} to keep this result):"),
-        f"  plan = autotune.load_result({json.dumps(path)}).plan",
+        f"  plan = autotune.load_result({json.dumps(path)}{allow}).plan",
         "  loader = DataLoader(dataset, batch_sampler=plan.sampler(len(dataset), shuffle=True))",
         "  for step in autotune.accumulate(loader, plan): ...  # step.batch, step.scale(loss).backward(), "
         "step.should_step",
@@ -221,14 +239,13 @@ def _confirmation_lines(result: ProbeResult) -> list[str]:
             + _run_seconds(r)
             for r in check.runs
         )
+        verdict = "NOT confirmed" if check.mismatch else "confirmed"
         lines.append(
-            f"  confirmed in a fresh process: {check.answer} {check.confirmed} "
+            f"  {verdict} in a fresh process: {check.answer} {check.confirmed} "
             f"({check.loop.micro_steps} micro-step(s) × {check.loop.steps} optimizer steps; runs: {sizes})"
         )
     if c.status == "stepped-down":
         lines.append(f"  [yellow]stepped down:[/] {escape(c.note or '')}")
-    if c.status == "mismatch":
-        lines.append(f"  [red]NOT confirmed:[/] {escape(c.note.removeprefix('not confirmed: '))}")
     return lines
 
 

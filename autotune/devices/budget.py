@@ -74,6 +74,8 @@ class _Counter:
         self.roles: dict[int, MemoryRole] = {}
         self.role_bytes: dict[MemoryRole, int] = {}
         self.born: dict[int, int] = {}
+        # The op that made each storage (what a kept tensor's message names): one entry per storage.
+        self.made_by: dict[int, object] = {}
         self.serial = 0
         self.op: object = None
         self.peak_roles: dict[MemoryRole, int] = {}
@@ -110,6 +112,7 @@ class _Counter:
             if size == 0:
                 return None
             self.refs[key] = weakref.ref(storage, functools.partial(self._on_death, key))
+            self.made_by[key] = self.op
             old = 0
         if self.timeline is not None:
             if old:
@@ -227,6 +230,7 @@ class _Counter:
         self.sizes.pop(key, None)
         self.refs.pop(key, None)
         self.born.pop(key, None)
+        self.made_by.pop(key, None)
         self.live -= size
         role = self.roles.pop(key, None)
         if role is not None:
@@ -279,6 +283,15 @@ class BudgetDevice:
 
     def holds(self, tensor: torch.Tensor) -> bool:
         return any(id(storage) in self._counter.sizes for storage in local_storages(tensor))
+
+    def live_storages(self) -> frozenset[int]:
+        return frozenset(self._counter.sizes)
+
+    def allocated_by(self, tensor: torch.Tensor) -> str | None:
+        """The aten op that made the tensor's storage (None: made outside any op, or not counted)."""
+        counter = self._counter
+        ops = {counter.made_by.get(id(storage)) for storage in local_storages(tensor)} - {None}
+        return ", ".join(sorted(map(str, ops))) or None
 
     def peak_allocated_bytes(self) -> int:
         return self._counter.peak

@@ -98,6 +98,14 @@ class CudaDevice:
     def holds(self, tensor: torch.Tensor) -> bool:
         return tensor.device == self.torch_device
 
+    def live_storages(self) -> frozenset[int] | None:
+        """The allocator counts bytes, not tensors: which storages are new is not known here."""
+        return None
+
+    def allocated_by(self, tensor: torch.Tensor) -> str | None:
+        """Not recorded on CUDA (the allocator's history, when recorded, has the stacks)."""
+        return None
+
     def peak_allocated_bytes(self) -> int:
         return int(torch.cuda.max_memory_allocated(self.index))
 

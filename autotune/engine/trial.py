@@ -28,7 +28,7 @@ import gc
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
@@ -40,7 +40,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from autotune import parallel
 from autotune.devices.device import ProbeDevice
 from autotune.engine import oom
-from autotune.errors import LeakError, NotAnOOMError, NothingFitsError
+from autotune.errors import KeptMemoryError, LeakError, NotAnOOMError, NothingFitsError, NotRepeatableError
 from autotune.progress import ProgressCallback, TrialProgress
 from autotune.results import AllocatorState, LoopShape, TrialFailure, TrialRecord
 from autotune.units import format_bytes
@@ -53,9 +53,10 @@ from autotune.workloads.workload import Precision, Workload
 SETTLE_MIN_STEPS = 3
 DEFAULT_MAX_STEPS = 10
 # A job's live memory after each optimizer step is the same from step 2 on (parameters, optimizer
-# state, the loader's held batches). Growth at every step is a leak (a kept loss holds its graph);
-# it takes this many steps, two increases in a row, to call it one: a single increase can be a
-# cache built once.
+# state, the loader's held batches). Growth after that is a leak (a kept loss holds its graph), also
+# when it starts late; it takes two increases to call it one, since a single increase can be a cache
+# built once: a trial whose last step grew runs one step more to tell them apart. The least steps
+# that show a leak from the start: three (two increases).
 LEAK_EVIDENCE_STEPS = 3
 
 _AUTOCAST = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
@@ -115,8 +116,16 @@ class TrialRunner:
         self._parameter_ids = {id(p) for p in self.model.parameters()}
         # The host copy is outside the device's memory on purpose: it must not shrink the budget.
         self._snapshot = [t.detach().to("cpu", copy=True) for t in self._state]
+        # What every trial must start from and end at: the model, and what the job's loop creates
+        # once and keeps (cuBLAS workspaces, a cache built at the first step). Until a trial has
+        # fitted (run the whole loop), what trials leave joins it; from then on, memory a trial
+        # leaves is memory it kept (`kept_memory`).
         self.baseline_bytes = device.live_bytes()
-        self.last_leak_bytes = 0
+        self._baseline_storages = device.live_storages()
+        self.trials_run = 0
+        self.fitted_once = False
+        self.kept_once: str | None = None  # what the trials before the first fitting one left, in words
+        self._batch_shapes: dict[int, tuple[object, ...]] = {}  # batch size -> the shapes make_batch gave
         self._train_loop: TrainLoop = self._train if train is None else train(self)
 
     @property
@@ -132,7 +141,11 @@ class TrialRunner:
         return lambda batch: self.run(batch, loop)
 
     def run(self, batch: int, loop: LoopShape) -> TrialRecord:
-        """One trial of `loop` at micro-batch `batch`, undone afterwards."""
+        """One trial of `loop` at micro-batch `batch`, undone afterwards.
+
+        Raises LeakError (memory grew from step to step), KeptMemoryError (the trial left memory
+        behind), NotRepeatableError (make_batch gave other shapes at this size) or NotAnOOMError."""
+        self.trials_run += 1
         self.device.reset_peak()
         started = self._trial_started = time.perf_counter()
         self.states, self.live_after_steps, self.steps_run = [], [], 0
@@ -143,10 +156,14 @@ class TrialRunner:
         details: str | None = None
         cause: BaseException | None = None
         kept: list[tuple[BaseException, TracebackType | None]] = []
+        refused: NotRepeatableError | None = None
         try:
             with self.device.active(), self._marking_roles():
                 step_seconds = self._train_loop(batch, loop)
             kind, failure = self.unsettled(loop)
+        except NotRepeatableError as exc:  # our own refusal, raised once the trial is undone
+            refused = exc
+            oom.release(exc)
         except BaseException as exc:  # classified right here; non-OOMs stop the probe
             if not isinstance(exc, Exception) and not usercode.raised_by_code(exc):
                 raise  # Ctrl-C, SIGTERM, an exit: not the workload's error
@@ -167,14 +184,19 @@ class TrialRunner:
                 # their locals: the step's tensors), for an integration to raise as the job's own.
                 cause, kept = exc, usercode.users_tracebacks(exc)
             oom.release(exc)
-        leak = None if not_oom is not None else self.leak(batch, ran_out=kind == "oom")
+        leak = None if not_oom is not None or refused is not None else self.leak(batch, ran_out=kind == "oom")
         seconds = time.perf_counter() - started
         peak_allocated = self.device.peak_allocated_bytes()
         peak_reserved = self.device.peak_reserved_bytes()
         breakdown = self.device.peak_breakdown()
         self.recover()
+        if refused is not None:
+            raise refused
         if leak is not None:
             raise leak
+        kept_error = self.kept_memory(batch, loop, fitted=failure is None)
+        if kept_error is not None:
+            raise kept_error
         if not_oom is not None:
             error = NotAnOOMError(f"batch {batch} failed with {not_oom}", batch=batch, original=not_oom)
             error.traceback = details
@@ -240,14 +262,14 @@ class TrialRunner:
         optimizer = workload.make_optimizer(model.parameters())
         scaler = torch.amp.GradScaler(device_type, enabled=workload.precision is Precision.FP16)
         # held[0] is the micro-batch being trained on; the rest are the loader's prefetched ones.
-        held: deque[object] = deque(workload.make_batch(batch, device.torch_device) for _ in range(loop.prefetch))
+        held: deque[object] = deque(self._made(batch) for _ in range(loop.prefetch))
         for step in range(self.step_budget(loop)):
             started = time.perf_counter()
             for micro in range(loop.micro_steps):
                 self.micro_step(batch, loop, step, micro)
                 if not loop.prefetch:
                     held.clear()
-                held.append(workload.make_batch(batch, device.torch_device))
+                held.append(self._made(batch))
                 if len(held) > loop.prefetch + 1:
                     held.popleft()
                 # DDP: no gradient sync but on the window's last micro-step, as a DDP job accumulates.
@@ -267,6 +289,21 @@ class TrialRunner:
             if self.done(loop):
                 break
         return step_seconds
+
+    def _made(self, batch: int) -> object:
+        """The workload's batch of `batch` samples, refused unless its shapes are the ones this size
+        gave before: the answer holds for a batch of fixed shape (the worst case), and peaks measured
+        on shapes that change from call to call belong to no size."""
+        made = self.workload.make_batch(batch, self.device.torch_device)
+        shapes = _shapes(made)
+        first = self._batch_shapes.setdefault(batch, shapes)
+        if shapes != first:
+            raise NotRepeatableError(
+                f"make_batch({batch}) is not repeatable: it gave {_shapes_words(first)} once and "
+                f"{_shapes_words(shapes)} later, at the same size, so no trial's peak holds for that size; make "
+                "make_batch return the worst case (the longest sequence, the largest image) at every call"
+            )
+        return made
 
     def stepped(self, batch: int, step: int) -> None:
         """Record the allocator's state after an optimizer step of a trial at `batch`, and tell the
@@ -289,7 +326,8 @@ class TrialRunner:
     def step_budget(self, loop: LoopShape) -> int:
         """The most optimizer steps a trial of `loop` may run."""
         if not self.settles:
-            return max(loop.steps, LEAK_EVIDENCE_STEPS)  # the steps past loop.steps run only while memory grows
+            # The step past loop.steps runs only when the last one grew (a leak, or a cache built once?).
+            return max(loop.steps + 1, LEAK_EVIDENCE_STEPS)
         # Two steps past the asked ones: a run of 20 steps (a confirmation) may still settle.
         return max(loop.steps + 2, SETTLE_MIN_STEPS, self.max_steps)
 
@@ -310,34 +348,80 @@ class TrialRunner:
 
     def done(self, loop: LoopShape) -> bool:
         """Whether a loop should stop after the step just run: settled, or thrashing (no use waiting);
-        never while memory has grown at every step but the evidence of a leak is still short."""
-        if self.growing() and len(self.live_after_steps) < LEAK_EVIDENCE_STEPS:
+        never right after a step whose live memory grew while the evidence of a leak is short (one
+        more step tells a leak from a cache built once)."""
+        grew = self.grew_at()
+        if grew and grew[-1] == self.steps_run and len(grew) < 2:
             return False
         return self.settled(loop) or (self.steps_run >= SETTLE_MIN_STEPS and self.thrashing())
 
     # Leaks -----------------------------------------------------------------------------------
+    def grew_at(self) -> list[int]:
+        """The optimizer steps (counted from 1) of the running trial after which live memory was
+        higher than after the step before: none, from step 2 on, in a loop that keeps nothing."""
+        live = self.live_after_steps
+        return [step for step, (before, after) in enumerate(itertools.pairwise(live), 2) if after > before]
+
     def growing(self) -> bool:
         """Whether live memory grew at every optimizer step of the running trial after its first."""
         live = self.live_after_steps
-        return len(live) >= 2 and all(later > earlier for earlier, later in itertools.pairwise(live))
+        return len(live) >= 2 and len(self.grew_at()) == len(live) - 1
 
     def leak(self, batch: int, *, ran_out: bool) -> LeakError | None:
-        """The running trial's leak, if it showed one: growth at every step, two increases in a row
-        (one, when the growth then ran out of memory)."""
+        """The running trial's leak, if it showed one: live memory that grew after two steps, from
+        the start or late (one, when it grew at every step and then ran out of memory)."""
         live = self.live_after_steps
-        if not self.growing() or (len(live) < LEAK_EVIDENCE_STEPS and not ran_out):
+        grew = self.grew_at()
+        if len(grew) < 2 and not (ran_out and grew and self.growing()):
             return None
-        per_step = (live[-1] - live[0]) // (len(live) - 1)
+        # A single step-2 increase before a later leak is the cache built once: the leak starts after it.
+        start = grew[1] if grew[0] == 2 and len(grew) > 1 and grew[1] > 3 else grew[0]
+        since = live[start - 2]
+        per_step = (live[-1] - since) // max(1, len(live) - start + 1)
         after = ", ".join(f"{format_bytes(b)} after step {i}" for i, b in enumerate(live, 1))
+        late = f" from step {start} on" if start > 2 else ""
         error = LeakError(
-            f"the workload leaks memory: live memory after each optimizer step grew by {format_bytes(per_step)} per "
-            f"step at micro-batch {batch} ({after}){' and then ran out of memory' if ran_out else ''}; a run's "
+            f"the workload leaks memory: live memory after each optimizer step grew{late} by {format_bytes(per_step)} "
+            f"per step at micro-batch {batch} ({after}){' and then ran out of memory' if ran_out else ''}; a run's "
             "memory would grow until it runs out, so no micro-batch holds for it. "
             f"{_surviving_tensors(self.device, self._state)}"
             "Keep no reference to a step's tensors past the step (a list of losses or outputs: keep loss.item() "
             "or out.detach().cpu() instead)"
         )
         error.bytes_per_step = per_step
+        error.started_at_step = start
+        return error
+
+    def kept_memory(self, batch: int, loop: LoopShape, *, fitted: bool) -> KeptMemoryError | None:
+        """Memory the trial just undone left on the device (call after `recover`): the next trial
+        would start with it, and run out of memory early. Before the first trial that fitted, what
+        trials leave joins the baseline (a cache the job builds once, cuBLAS's workspaces); after
+        it, anything left is kept by the workload's code from this trial."""
+        live = self.device.live_bytes()
+        left = live - self.baseline_bytes
+        if not self.fitted_once:
+            if left > 0:
+                words = f"{format_bytes(left)} left by trial {self.trials_run} (batch {batch})"
+                self.kept_once = words if self.kept_once is None else f"{self.kept_once}; {words}"
+            if left != 0:
+                self.baseline_bytes = live
+                self._baseline_storages = self.device.live_storages()
+            self.fitted_once = fitted
+            return None
+        if left <= 0:
+            return None
+        error = KeptMemoryError(
+            f"memory kept between trials: trial {self.trials_run} (micro-batch {batch}, {loop.micro_steps} "
+            f"micro-step(s) per optimizer step) ended with {format_bytes(left)} more live on the device than it "
+            f"started with, after its gradients, optimizer and batches were dropped. "
+            f"{_surviving_tensors(self.device, self._state, since=self._baseline_storages)}"
+            "Every later trial would run with it and run out of memory early, so the probe stops instead of answering "
+            "low: keep no device tensor past the step (a cache keyed by the batch's size or shape, a list of "
+            "outputs or losses: keep loss.item() or out.detach().cpu(), or clear the cache at each step)"
+        )
+        error.trial = self.trials_run
+        error.batch = batch
+        error.kept_bytes = left
         return error
 
     def unsettled(self, loop: LoopShape) -> tuple[TrialFailure | None, str | None]:
@@ -389,30 +473,65 @@ class TrialRunner:
             gc.collect()
             self.device.empty_cache()
         self.device.reset_peak()
-        self.last_leak_bytes = self.device.live_bytes() - self.baseline_bytes
 
 
-def _surviving_tensors(device: ProbeDevice, own: list[torch.Tensor], shown: int = 3) -> str:
+def _surviving_tensors(
+    device: ProbeDevice, own: list[torch.Tensor], shown: int = 3, since: frozenset[int] | None = None
+) -> str:
     """The largest kinds of tensor on `device` that Python still references, other than the model's
-    own: where a leak's memory went."""
+    own (and, with `since`, other than the storages live then): where a leak's memory went, and,
+    where the device can tell, the op that allocated it."""
     owned = {t.untyped_storage().data_ptr() for t in own}
     storages: dict[int, torch.Tensor] = {}
     for obj in gc.get_objects():
         # type(), not isinstance: some objects (torch.distributed's deprecated aliases) warn on __class__.
         if issubclass(type(obj), torch.Tensor) and not issubclass(type(obj), nn.Parameter) and device.holds(obj):
             pointer = obj.untyped_storage().data_ptr()
-            if pointer not in owned and obj.numel():
+            if pointer not in owned and obj.numel() and (since is None or id(obj.untyped_storage()) not in since):
                 storages.setdefault(pointer, obj)
     kinds: dict[str, list[int]] = {}
     for tensor in storages.values():
         made_by = f", grad_fn {type(tensor.grad_fn).__name__}" if tensor.grad_fn is not None else ""
-        kind = f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}{made_by}"
+        op = device.allocated_by(tensor)
+        allocated = f", allocated by {op}" if op is not None else ""
+        kind = f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}{made_by}{allocated}"
         kinds.setdefault(kind, []).append(tensor.untyped_storage().nbytes())
     largest = sorted(kinds.items(), key=lambda item: sum(item[1]), reverse=True)[:shown]
     if not largest:
         return ""
     described = [f"{len(sizes)} x {kind} ({format_bytes(sum(sizes))} in all)" for kind, sizes in largest]
     return f"Tensors still alive, the largest kinds: {'; '.join(described)}. "
+
+
+def _shapes(batch: object) -> tuple[object, ...]:
+    """The shapes and dtypes of a batch's tensors, in order (what fixes a step's memory), and the
+    length of any list of other things (a batch of strings)."""
+    found: list[object] = []
+
+    def walk(value: object) -> None:
+        if isinstance(value, torch.Tensor):
+            found.append((tuple(value.shape), value.dtype))
+        elif isinstance(value, Mapping):
+            for key, item in value.items():
+                found.append(key)
+                walk(item)
+        elif isinstance(value, (list, tuple)):
+            if value and not any(isinstance(item, (torch.Tensor, Mapping, list, tuple)) for item in value):
+                found.append(len(value))
+            else:
+                for item in value:
+                    walk(item)
+
+    walk(batch)
+    return tuple(found)
+
+
+def _shapes_words(shapes: tuple[object, ...]) -> str:
+    tensors = [
+        f"{str(dtype).removeprefix('torch.')}{list(shape)}"
+        for shape, dtype in (s for s in shapes if isinstance(s, tuple))
+    ]
+    return ", ".join(tensors[:4]) + (", ..." if len(tensors) > 4 else "") if tensors else "no tensor"
 
 
 def _build(workload: Workload, device: ProbeDevice) -> nn.Module:
