@@ -25,7 +25,7 @@ from autotune.errors import ConfigError
 from autotune.plans.mixed import MixedPlan, Mode
 from autotune.plans.plan import Plan, Policy
 from autotune.request import parallel_spec
-from autotune.results import SCHEMA_VERSION, ParallelSpec, ProbeResult, TrialRecord
+from autotune.results import SCHEMA_VERSION, ParallelSpec, ProbeResult, TrialRecord, Verdict
 from autotune.store import JobError, JobStatus
 from autotune.units import parse_headroom, parse_size
 from autotune.workloads.registry import NAME_PATTERN
@@ -432,6 +432,11 @@ class PlanView(BaseModel):
     capped: bool = Field(description="The probe's cap fitted: a larger micro-batch may fit too.")
     parallel: ParallelSpec = Field(description="What a rank was probed in: the answer is per rank of such a job.")
     plan: Plan
+    verdict: Verdict = Field(
+        description="The stored result's answers, each with the loop it was verified for and whether a fresh "
+        "process confirmed it; `status` is not 'confirmed' for a result whose answers were not run again or did "
+        "not repeat there (the client refuses such a plan unless asked to allow it)."
+    )
 
 
 class MixedGroupView(BaseModel):

@@ -352,6 +352,7 @@ class Service:
                     capped=result.capped,
                     parallel=result.workload.parallel,
                     plan=made,
+                    verdict=result.model_copy(update={"plan": made}).verdict,
                 )
                 .model_dump_json()
                 .encode()

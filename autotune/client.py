@@ -47,7 +47,7 @@ from autotune import errors
 from autotune.plans.accumulate import ShrinkEvent
 from autotune.plans.mixed import MixedPlan
 from autotune.plans.plan import Plan, Policy, parse_policy
-from autotune.results import ProbeResult
+from autotune.results import ProbeResult, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,15 @@ NO_SUCH_DEVICE = "no_such_device"  # the error code of a device the service's no
 # 503 codes of our service: it is up and says so; what it runs goes on, so a client waits.
 DEGRADED = frozenset({"store_unavailable", "starting", "draining", "device_unavailable"})
 RESTART_GRACE = 60.0  # seconds after "draining" during which a refused connection is a restart
+
+
+def _check_confirmed(workload: str, verdict: Verdict, allow_unconfirmed: bool) -> None:
+    """Refuse a plan whose answers a fresh process did not confirm, as `load_result(...).plan` does."""
+    if verdict.status != "confirmed" and not allow_unconfirmed:
+        raise errors.UnconfirmedError(
+            f"the plan for {workload!r} was not confirmed ({verdict.note}): ask for it with allow_unconfirmed=True "
+            "to run it anyway"
+        )
 
 
 class _Down(errors.ServiceUnavailableError):
@@ -126,6 +135,7 @@ class AutotuneClient:
         timeout: float = 900.0,
         fallback: Fallback = "error",
         wait_for_device: bool = True,
+        allow_unconfirmed: bool = False,
     ) -> Plan:
         """The plan for `effective_batch` samples per optimizer step over `world_size` ranks.
         `parallel`: how the job runs the model across its ranks (none, ddp, or fsdp: FSDP2 over
@@ -136,7 +146,9 @@ class AutotuneClient:
         AuthError, ServiceError, ServiceUnavailableError, or the ProbeError the probe failed with.
         With `fallback="local"`, a service that is down (not reached) is replaced by a local
         probe, which holds the device's lock as every probe does: while another probe on this
-        node holds it, it waits (logged), or raises DeviceBusyError with `wait_for_device=False`."""
+        node holds it, it waits (logged), or raises DeviceBusyError with `wait_for_device=False`.
+        A plan whose answers a fresh process did not confirm (the result's `verdict`) raises
+        UnconfirmedError, as `autotune.load_result(...).plan` does, unless `allow_unconfirmed`."""
         if fallback not in ("local", "error"):
             raise errors.ConfigError(f"fallback must be 'local' or 'error', not {fallback!r}")
         policy = parse_policy(policy)
@@ -146,13 +158,15 @@ class AutotuneClient:
         params.update({k: v for k, v in {**options, "optimizer": optimizer}.items() if v is not None})
         params.update(_parallel_fields(parallel, reshard_after_forward))
         try:
-            made = self._plan_from_service(params, timeout)
+            made = self._plan_from_service(params, timeout, allow_unconfirmed)
         except _Down as exc:
             if fallback == "error":
                 raise
             log.warning("autotune service unavailable (%s): probing %s in this job", exc, workload)
             local = {**options, "optimizer": optimizer, **_parallel_fields(parallel, reshard_after_forward)}
-            made = self._local_plan(workload, effective_batch, world_size, policy, local, wait_for_device)
+            made = self._local_plan(
+                workload, effective_batch, world_size, policy, local, wait_for_device, allow_unconfirmed
+            )
             self.last_source = "local"
             return made
         self.last_source = "service"
@@ -314,7 +328,7 @@ class AutotuneClient:
         return self._json(self._send("GET", "/v1/devices"))
 
     # Internals -------------------------------------------------------------------------------
-    def _plan_from_service(self, params: dict[str, Any], timeout: float) -> Plan:
+    def _plan_from_service(self, params: dict[str, Any], timeout: float, allow_unconfirmed: bool = False) -> Plan:
         deadline = self._clock() + timeout
         delay = self._backoff
         while True:
@@ -325,6 +339,8 @@ class AutotuneClient:
             )
             answer = self._json(response)
             if response.status_code == 200:
+                if "verdict" in answer:  # (a service older than the verdict does not say)
+                    _check_confirmed(params["workload"], Verdict.model_validate(answer["verdict"]), allow_unconfirmed)
                 return Plan.model_validate(answer["plan"])
             if response.status_code == 409:
                 raise _probe_error(answer.get("probe") or {}, answer.get("detail"))
@@ -346,6 +362,7 @@ class AutotuneClient:
         policy: Policy,
         options: dict[str, Any],
         wait_for_device: bool = True,
+        allow_unconfirmed: bool = False,
     ) -> Plan:
         from autotune.engine.confirm import probe_and_confirm
         from autotune.engine.probe import ProbeRequest
@@ -377,6 +394,7 @@ class AutotuneClient:
             raise errors.ConfigError(f"cannot probe {workload!r} locally: {exc}") from None
         result = probe_and_confirm(request, timeout=settings.probe_timeout, wait_for_device=wait_for_device)
         assert result.plan is not None  # the request had an effective batch
+        _check_confirmed(workload, result.verdict, allow_unconfirmed)
         return result.plan
 
     def _send(

@@ -59,6 +59,12 @@ def test_probe_then_poll_then_plan(server: Server, client: httpx.Client) -> None
     assert body["fingerprint"] == result["fingerprint"]
     assert body["plan"]["micro_batches"] == [16, 16, 16, 16]
     assert body["plan"]["loss_weights"] == [0.25] * 4
+    # The stored result's verdict (the CLI's too), with the plan's micro-batch: each confirmed in a fresh process.
+    verdict = body["verdict"]
+    assert verdict["status"] == result["verdict"]["status"] == "confirmed"
+    assert verdict["answers"][:-1] == result["verdict"]["answers"]
+    assert verdict["answers"][-1]["answer"] == "plan" and verdict["answers"][-1]["micro_batch"] == 16
+    assert verdict["answers"][-1]["confirmed"] is True
 
     picture = client.get(f"/v1/probes/{probe_id}/plot.png")
     assert picture.status_code == 200, picture.text

@@ -94,6 +94,18 @@ def test_a_stored_plan_is_returned_and_the_query_says_what_was_asked() -> None:
     assert seen[0].headers["authorization"] == "Bearer t0k"
 
 
+def test_a_plan_whose_answers_were_not_confirmed_is_refused_unless_allowed() -> None:
+    verdict = {"status": "not-confirmed", "exit_code": 4, "answers": [], "note": "the fresh process peaked lower"}
+    answer = {"plan": PLAN, "workload": "tiny", "verdict": verdict}
+    with _client(lambda _r: httpx.Response(200, json=answer)) as client:
+        with pytest.raises(errors.UnconfirmedError, match=r"not confirmed \(the fresh process peaked lower\).*allow_"):
+            client.plan("tiny", 64, device="cpu")
+        assert client.plan("tiny", 64, device="cpu", allow_unconfirmed=True).micro_batches == [16, 16, 16, 16]
+    confirmed = {**answer, "verdict": {**verdict, "status": "confirmed", "exit_code": 0}}
+    with _client(lambda _r: httpx.Response(200, json=confirmed)) as client:
+        assert client.plan("tiny", 64, device="cpu").micro_batch == 16
+
+
 def test_a_running_probe_is_waited_for_with_growing_backoff() -> None:
     answers = iter([_pending("queued"), _pending(), _pending(), httpx.Response(200, json={"plan": PLAN})])
     sleeps: list[float] = []
