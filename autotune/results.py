@@ -527,7 +527,8 @@ class ProbeResult(BaseModel):
     )
     notes: list[str] = Field(
         default_factory=list,
-        description="What the probe did beyond the search, in words: an answer searched again, and why.",
+        description="What the probe did or saw beyond the search, in words: a comparison that did not run, memory "
+        "the first trials left (counted as the job's own from then on).",
     )
     framework: FrameworkTuning | None = Field(
         default=None, description="Set by the framework integrations: the job's batch, kept or changed, and the check."

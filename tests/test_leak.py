@@ -203,3 +203,14 @@ def test_a_workload_whose_batch_is_not_repeatable_is_refused_by_probe_and_estima
         assert proc.returncode == 2, (command, proc.stderr)
         line = _one_line(proc, "error: make_batch(")
         assert "is not repeatable" in line and "float32[" in line, line
+
+
+def test_a_cache_built_once_answers_and_the_result_says_what_the_first_trial_left() -> None:
+    from autotune.engine.probe import ProbeRequest, run_probe
+
+    result = run_probe(ProbeRequest(target="tests.leak_workloads:cache_once", device="cpu", memory="4MiB"))
+    assert result.max_micro_batch is not None
+    assert result.notes == [
+        "memory kept from the first trials: 64.0 KiB left by trial 1 (batch 4); counted as the job's own from then "
+        "on (a cache built once, cuBLAS's workspaces), and no later trial kept more"
+    ]

@@ -104,9 +104,9 @@ def print_summary(result: ProbeResult, saved: str | None = None) -> None:
         if single is not None and result.loop.accumulates:
             out.print(f"  without accumulation (one micro-step per optimizer step): {single}")
     verdict = result.verdict
-    for answer in verdict.answers:
-        if answer.answer != "plan":
-            out.print(f"  {answer.words}", highlight=False, markup=False)
+    for checked in verdict.answers:
+        if checked.answer != "plan":
+            out.print(f"  {checked.words}", highlight=False, markup=False)
     if result.workload.parallel.strategy != "none":
         from autotune.parallel import describe
 
@@ -132,7 +132,7 @@ def print_summary(result: ProbeResult, saved: str | None = None) -> None:
     if compared is not None:
         out.print(f"  {escape(_comparison_words(result, compared))}", highlight=False)
     for note in result.notes:
-        out.print(f"  [yellow]searched again:[/] {escape(note)}")
+        out.print(f"  [yellow]note:[/] {escape(note)}")
     for line in _prediction_lines(result):
         out.print(line)
     for line in _confirmation_lines(result):

@@ -312,6 +312,7 @@ def _run_probe(
         throughput=throughput,
         trials=trials,
         batch_norm=any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in runner.model.modules()),
+        notes=[] if runner.kept_once is None else [_kept_once_note(runner.kept_once)],
         allocator_config=device.allocator_config,
         versions=versions(),
         duration_seconds=time.perf_counter() - started,
@@ -320,6 +321,13 @@ def _run_probe(
     if train is not None and holds_window:
         result = settle_plan(result, request, trial_in)
     return result.model_copy(update={"duration_seconds": time.perf_counter() - started})
+
+
+def _kept_once_note(kept: str) -> str:
+    return (
+        f"memory kept from the first trials: {kept}; counted as the job's own from then on (a cache built once, "
+        "cuBLAS's workspaces), and no later trial kept more"
+    )
 
 
 def settle_plan(
