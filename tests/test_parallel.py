@@ -142,3 +142,33 @@ def test_a_ddp_trial_after_one_that_ran_out_in_the_synced_backward_runs() -> Non
     at, over = jobs[answer], jobs[answer + 1]
     assert all(r["fits"] for r in at) and {r["peak"] for r in at} == {result.trial_at_answer.peak_allocated_bytes}
     assert len(over) == 2 and not all(r["fits"] for r in over)
+
+
+def test_an_fsdp_trial_after_one_that_ran_out_midway_runs_as_in_a_fresh_process() -> None:
+    """FSDP2 keeps a step's collective buffers (the all-gather result, reduce-scatter states) until the
+    step ends: after an out-of-memory one they were left to the next trial (10 KiB kept between
+    trials here), whose state then let the accumulating loop fit 1124 samples, where a fresh
+    process runs out at 1119. Each failed trial now resets FSDP's iteration state, and every answer
+    is the one a trial in a fresh runner gives."""
+    from autotune import parallel
+    from autotune.devices.budget import BudgetDevice
+    from autotune.engine.probe import as_requested, load_workload
+    from autotune.engine.trial import TrialRunner
+
+    request = ProbeRequest(
+        target="tests.workloads:classifier", device="cpu", memory="1MiB", headroom=0, confirm=False,
+        parallel="fsdp", world_size=2,
+    )  # fmt: skip
+    try:
+        result = run_probe(request)
+        _exact(result)
+        assert sum(not t.fits for t in result.trials) >= 2  # trials ran after out-of-memory ones
+        workload = as_requested(load_workload(request), request)
+        for answer in (result.max_micro_batch, result.max_micro_batch_without_accumulation):
+            loop = result.loop if answer == result.max_micro_batch else result.answers[0].loop
+            for size, fits in ((answer, True), (answer + 1, False)):
+                fresh = TrialRunner(workload, BudgetDevice(result.budget_bytes, result.limit_bytes))
+                assert fresh.run(size, loop).fits is fits, (size, loop)
+                parallel.release()
+    finally:
+        parallel.release()

@@ -179,3 +179,22 @@ def test_the_request_key_holds_the_parallel_setup_and_matches_the_results(
     # A probe's result answers the request that asked for its setup (the entry's own sharding).
     derived = key_from_result(probed["root"], entry)
     assert derived is not None and derived.digest() == key(ParallelSpec(strategy="fsdp", world_size=4))
+
+
+def test_each_answer_holds_in_a_fresh_runner_and_one_more_runs_out(job: str, probed: dict[str, ProbeResult]) -> None:
+    """One FSDP unit over the whole model runs out of memory while it gathers or reduces; the trials
+    after such a one ran with the sharded gradients of the failed step still set (the gradients were
+    dropped from the gathered parameters FSDP had put on the modules), and the accumulating answer
+    was 966 where a fresh runner runs out at 910. Each failed trial now resets FSDP first."""
+    from autotune import parallel
+    from autotune.devices.budget import BudgetDevice
+
+    result = probed["root"]
+    workload = load_workload(ProbeRequest(target=f"{job}:root", **BASE))
+    checks = [(result.max_micro_batch, result.loop), (result.max_micro_batch_without_accumulation, LoopShape())]
+    for answer, loop in checks:
+        assert answer is not None
+        for size, fits in ((answer, True), (answer + 1, False)):
+            fresh = TrialRunner(workload, BudgetDevice(result.budget_bytes, result.limit_bytes))
+            assert fresh.run(size, loop).fits is fits, (size, loop)
+            parallel.release()

@@ -38,6 +38,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from autotune import parallel
+from autotune.devices.budget import local_storages
 from autotune.devices.device import ProbeDevice
 from autotune.engine import oom
 from autotune.errors import KeptMemoryError, LeakError, NotAnOOMError, NothingFitsError, NotRepeatableError
@@ -460,9 +461,13 @@ class TrialRunner:
     # Undoing a trial -----------------------------------------------------------------------
     def recover(self) -> None:
         """Return the device to its state before the trial: no grads, original weights, no cache."""
+        # First the parallel wrapper's own reset: FSDP2 puts the sharded parameters (and their
+        # gradients) back on the modules only then, and frees gathered ones by resizing their
+        # storages, which the device counts inside `active()`.
+        with self.device.active():
+            parallel.after_failed_step(self.model)  # after a trial that ended, a no-op
         for p in self.model.parameters():
             p.grad = None
-        parallel.after_failed_step(self.model)  # after a trial that ended, a no-op
         with torch.no_grad():
             for tensor, saved in zip(self._state, self._snapshot, strict=True):
                 tensor.copy_(saved)
@@ -480,27 +485,40 @@ def _surviving_tensors(
 ) -> str:
     """The largest kinds of tensor on `device` that Python still references, other than the model's
     own (and, with `since`, other than the storages live then): where a leak's memory went, and,
-    where the device can tell, the op that allocated it."""
-    owned = {t.untyped_storage().data_ptr() for t in own}
-    storages: dict[int, torch.Tensor] = {}
+    where the device can tell, the op that allocated it. A sharded (DTensor) tensor is its local
+    shard's storages, as the devices count it."""
+    owned = {key for t in own for key, _ in _storages(t)}
+    found: dict[int, tuple[torch.Tensor, int]] = {}  # storage -> a tensor on it, its bytes
     for obj in gc.get_objects():
         # type(), not isinstance: some objects (torch.distributed's deprecated aliases) warn on __class__.
         if issubclass(type(obj), torch.Tensor) and not issubclass(type(obj), nn.Parameter) and device.holds(obj):
-            pointer = obj.untyped_storage().data_ptr()
-            if pointer not in owned and obj.numel() and (since is None or id(obj.untyped_storage()) not in since):
-                storages.setdefault(pointer, obj)
+            for key, storage in _storages(obj):
+                if key not in owned and storage.nbytes() and (since is None or id(storage) not in since):
+                    found.setdefault(key, (obj, storage.nbytes()))
     kinds: dict[str, list[int]] = {}
-    for tensor in storages.values():
+    for tensor, nbytes in found.values():
         made_by = f", grad_fn {type(tensor.grad_fn).__name__}" if tensor.grad_fn is not None else ""
         op = device.allocated_by(tensor)
         allocated = f", allocated by {op}" if op is not None else ""
         kind = f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}{made_by}{allocated}"
-        kinds.setdefault(kind, []).append(tensor.untyped_storage().nbytes())
+        kinds.setdefault(kind, []).append(nbytes)
     largest = sorted(kinds.items(), key=lambda item: sum(item[1]), reverse=True)[:shown]
     if not largest:
         return ""
     described = [f"{len(sizes)} x {kind} ({format_bytes(sum(sizes))} in all)" for kind, sizes in largest]
     return f"Tensors still alive, the largest kinds: {'; '.join(described)}. "
+
+
+def _storages(tensor: torch.Tensor) -> list[tuple[int, torch.UntypedStorage]]:
+    """(its data pointer, the storage) of each storage holding a tensor's bytes on its device; none
+    for a storage that cannot be read (freed, or a wrapper's without data)."""
+    found = []
+    for storage in local_storages(tensor):
+        try:
+            found.append((storage.data_ptr(), storage))
+        except RuntimeError:
+            continue
+    return found
 
 
 def _shapes(batch: object) -> tuple[object, ...]:

@@ -142,6 +142,9 @@ def after_failed_step(model: nn.Module) -> None:
     reset = getattr(getattr(model, "reducer", None), "_reset_state", None)  # private: present in torch 2.13
     if isinstance(model, DistributedDataParallel) and callable(reset):
         reset()
+    from autotune.parallel import fsdp
+
+    fsdp.reset_after_failed_step(model)
 
 
 def describe(spec: ParallelSpec) -> str:

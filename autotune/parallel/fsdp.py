@@ -58,3 +58,27 @@ def shard(
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     return model
+
+
+def reset_after_failed_step(model: nn.Module) -> None:
+    """Free what FSDP2 still holds of a step that raised part-way, as a finished step would have.
+
+    FSDP2 keeps a step's collective buffers (the all-gather result, reduce-scatter states) until the
+    step ends, and a group's gathered parameters until its forward or backward ends: after an
+    out-of-memory error in between, the next trial ran with them (found as memory kept between
+    trials, and an accumulating answer 5 samples too high after it). Its own recovery on the root
+    module (`reset_iter_state`) drops the buffers and reshards every gathered group; a group that ran
+    out of memory while it gathered (its copy-out allocates the parameters one by one) still counts
+    as sharded, so what it had gathered is freed here too (private FSDP2 state, where present)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    reset_iter_state = getattr(model, "reset_iter_state", None)  # torch >= 2.13
+    if not isinstance(model, FSDPModule) or not callable(reset_iter_state):
+        return
+    reset_iter_state()
+    for module in model.modules():
+        state = module._get_fsdp_state() if isinstance(module, FSDPModule) else None
+        for group in getattr(state, "_fsdp_param_groups", ()):
+            if getattr(group, "is_sharded", False):
+                for param in group.fsdp_params:
+                    param.free_unsharded_param()
