@@ -95,6 +95,11 @@ CLAIMS_RUN_BY = {
     "A loader that ignores the batch size autotune sets.": [
         "tests/test_integration_transformers.py::test_a_loader_that_ignores_the_batch_size_is_refused",
         "tests/test_integration_lightning.py::test_a_loader_that_ignores_the_batch_size_attribute_is_refused",
+        "tests/test_integration_loader_batch.py::test_lightning_a_loader_that_keeps_its_batch_size_is_refused_before_the_fit",
+        "tests/test_integration_loader_batch.py::test_lightning_a_loader_that_reads_the_attribute_runs_the_effective_batch_reported",
+        "tests/test_integration_loader_batch.py::test_accelerate_a_batch_sampler_loader_is_refused_and_its_fix_runs_the_effective_batch",
+        "tests/test_integration_loader_batch.py::test_accelerate_a_batch_sampler_of_the_plans_size_runs_as_it_is",
+        "tests/test_integration_loader_batch.py::test_trainer_a_loader_that_keeps_its_batch_size_is_refused_before_the_probe",
     ],
     "Gradient equivalence.": [
         "tests/test_integration_transformers.py::test_a_bert_style_head_is_warned_with_the_factor_measured",
@@ -102,10 +107,18 @@ CLAIMS_RUN_BY = {
         "tests/test_integration_transformers.py::test_the_gradient_check_passes_a_gpt2_head",
         "tests/test_integration_lightning.py::test_a_summed_loss_is_warned_with_the_factor_and_a_mean_is_not",
         "tests/test_integration_accelerate.py::test_a_summed_loss_is_warned_with_the_factor",
+        "tests/test_gradient_check_samples.py::test_accelerate_a_token_mean_loss_is_warned_and_a_sample_mean_is_not",
+        "tests/test_gradient_check_samples.py::test_lightning_a_token_mean_loss_is_warned_and_a_sample_mean_is_not",
+        "tests/test_gradient_check_samples.py::test_trainer_a_token_mean_loss_is_warned_and_num_items_in_batch_is_not",
+        "tests/test_gradient_check_samples.py::test_the_docs_trainer_case_passes_the_check",
     ],
     "Progress.": [
         "tests/test_integration_transformers.py::test_every_trial_is_logged_in_the_clis_words_and_the_plan_with_its_warning",
         "tests/test_integration_accelerate.py::test_a_summed_loss_is_warned_with_the_factor",
+        "tests/test_gradient_check_samples.py::test_accelerate_a_token_mean_loss_is_warned_and_a_sample_mean_is_not",
+        "tests/test_gradient_check_samples.py::test_lightning_a_token_mean_loss_is_warned_and_a_sample_mean_is_not",
+        "tests/test_gradient_check_samples.py::test_trainer_a_token_mean_loss_is_warned_and_num_items_in_batch_is_not",
+        "tests/test_gradient_check_samples.py::test_the_docs_trainer_case_passes_the_check",
     ],
     "Cost.": [
         "tests/test_integration_transformers.py::test_the_trainer_gets_a_plan_verified_in_its_own_loop",

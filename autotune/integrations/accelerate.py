@@ -7,8 +7,12 @@ Accelerator's gradient accumulation from the plan.
 
 Called before `accelerator.prepare`: a prepared DataLoader keeps its batch size, so the plan's
 micro-batch would not be what the loop runs, and it is refused. With a DataLoader as `data` and no
-`effective_batch`, the plan keeps the job's: its batch size x `gradient_accumulation_steps` x
-processes; a Dataset carries no batch size, so it needs `effective_batch=` (or `"max"`).
+`effective_batch`, the plan keeps the job's: the size of the first batch it yields (read on the
+host) x `gradient_accumulation_steps` x processes; a Dataset carries no batch size, so it needs
+`effective_batch=` (or `"max"`). A DataLoader cannot change its batch size: one built with
+`batch_size=` that is not the plan's micro-batch gets the plan's warning to build it again, and one
+with a `batch_sampler` of its own is refused (nothing set), with the fix: tune with the Dataset, and
+build the loader with `batch_sampler=result.plan.sampler(len(dataset))`.
 
 The loop probed is Accelerate's: per micro-step a batch from the prepared loader, forward under
 `accelerator.autocast()`, the loss divided by `gradient_accumulation_steps` (what
@@ -25,8 +29,10 @@ windows, leave the Accelerator at one step and use `autotune.plans.accumulate` w
 
 Accelerate's loop holds one micro-batch at a time (and the loader's next one), so two micro-steps
 stand for any number. When the plan accumulates, the gradient check
-(`autotune.integrations.gradients`) runs the loss over one window and one batch of the same samples:
-a loss summed over its samples is off by 1/steps once divided by the steps.
+(`autotune.integrations.gradients`) runs the loss over one window and one batch of the same samples,
+the job's own (the DataLoader's or the Dataset's, collated by its collate function): a loss summed
+over its samples is off by 1/steps once divided by the steps, and a mean over each micro-batch's
+tokens as far as the samples' lengths differ.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ from autotune.errors import ConfigError
 from autotune.integrations import gradients, micro_and_accumulation
 from autotune.integrations.job import (
     EffectiveBatch,
+    custom_batch_sampler,
+    first_batch_size,
     loader_batch_size,
     log_outcome,
     log_target,
@@ -54,11 +62,12 @@ from autotune.integrations.job import (
     reporting,
     tuning_record,
     with_tuning,
+    yields_the_plan,
 )
 from autotune.integrations.reporting import default_collate_hint, reports_to_the_caller
 from autotune.plans.plan import Policy, parse_policy
 from autotune.results import JobBatch, LoopShape, ProbeResult, TrialRecord
-from autotune.workloads.live import model_loss
+from autotune.workloads.live import is_dataset, model_loss
 from autotune.workloads.workload import OptimizerSpec, Workload
 
 logger = logging.getLogger("autotune.integrations.accelerate")
@@ -68,6 +77,14 @@ _GRADIENT_FIX = (
     "Accelerate divides each micro-step's loss by gradient_accumulation_steps (and autotune.accumulate's step.scale "
     "weighs it by its micro-batch's share), which averages a loss that is a mean over its micro-batch: make the loss "
     "the mean over the micro-batch's samples, not a sum"
+)
+_WEIGHTS_FIX = (
+    "accelerator.backward divides every micro-step's loss by gradient_accumulation_steps alike, so a loss that is a "
+    "mean over its micro-batch's tokens (or over any count that differs between micro-batches) weighs the tokens of "
+    "a short micro-batch more than those of a long one: leave the Accelerator at one step and weigh each loss by "
+    "its share of the window's tokens with autotune.accumulate(loader, plan, count=lambda batch: "
+    "(batch['labels'] != -100).sum()) and step.scale(loss) (docs/accumulation.md, token-weighted losses), or "
+    "return the sum of the token losses divided by the tokens of the whole window"
 )
 
 
@@ -111,17 +128,18 @@ def accelerate_loop(accelerator: Accelerator, workload: Workload, prefetch: int)
     return make
 
 
-def accelerate_gradients(accelerator: Accelerator, workload: Workload, model: nn.Module) -> gradients.WindowGradients:
+def accelerate_gradients(
+    accelerator: Accelerator, workload: Workload, model: nn.Module, samples: gradients.CheckSamples
+) -> gradients.WindowGradients:
     """The gradients Accelerate's loop leaves for one window of `steps` micro-batches of `micro`
-    samples (rows of one batch): each loss under autocast, divided by the steps."""
+    samples (the job's own, as its loader collates them: `samples`): each loss under autocast,
+    divided by the steps."""
 
     def window(micro: int, steps: int) -> torch.Tensor:
-        samples = micro * steps
-        whole = workload.make_batch(samples, next(model.parameters()).device)
+        parts = samples.batches(micro, steps, next(model.parameters()).device)
         try:
             with gradients.same_function(model):
-                for i in range(steps):
-                    part = whole if steps == 1 else gradients.rows(whole, i * micro, (i + 1) * micro, samples)
+                for part in parts:
                     with accelerator.autocast():
                         loss = workload.loss(model, part)
                     (loss / steps).backward()
@@ -144,6 +162,52 @@ def _prepared(accelerator: Accelerator, objects: tuple[Any, ...]) -> str | None:
                 named.append(f"the {type(item).__name__}")
     named += [f"a DataLoader of batch size {loader_batch_size(loader) or '?'}" for loader in loaders.values()]
     return ", ".join(named) or None
+
+
+def _check_samples(data: Any, collate: Callable[[list[Any]], Any] | None, workload: Workload) -> gradients.CheckSamples:
+    """The gradient check's samples: the job's own (a DataLoader's dataset and collate_fn, or the
+    Dataset with `collate`), the rows of the one batch given, or the worst case's where the loader
+    has automatic batching off."""
+    if isinstance(data, torch.utils.data.DataLoader):
+        found = gradients.JobSamples.of_loader(data)
+        if found is not None and collate is not None:
+            found = gradients.JobSamples(data.dataset, collate)
+        if found is not None:
+            return found
+        return gradients.RowsOf(workload.make_batch, "worst-case samples: the loader has automatic batching off")
+    if is_dataset(data):
+        return gradients.JobSamples(data, collate)
+    return gradients.RowsOf(workload.make_batch, "rows of the batch given")
+
+
+def _sampler_refusal(
+    data: Any, given: int | None, micro: int, accumulation: int, effective: int | None, policy: Policy
+) -> ConfigError | None:
+    """A DataLoader whose batch_sampler yields batches of another size than the plan's micro-batch:
+    the loader cannot be given the plan's size (a loader built with batch_size= can: the plan's
+    warning says so), and Accelerate would run the sampler's batches."""
+    if (
+        policy is not Policy.EXACT
+        or given is None
+        or not isinstance(data, torch.utils.data.DataLoader)
+        or yields_the_plan(given, micro, data)
+    ):
+        return None
+    sampler = custom_batch_sampler(data)
+    if sampler is None:
+        return None
+    target = "the effective batch" if effective is None else f"the effective batch {effective}"
+    return ConfigError(
+        f"tune_accelerator: the DataLoader given yields batches of {given} from its batch_sampler ({sampler}), and "
+        f"the plan for {target} runs micro-batches of {micro} x {accumulation} accumulation "
+        f"step{'' if accumulation == 1 else 's'}: a DataLoader cannot change its batch_sampler, so Accelerate would "
+        f"run {given} x {accumulation} = {given * accumulation} samples a step per process instead of "
+        f"{micro * accumulation}. Give the loader the plan's micro-batches: tune with the Dataset "
+        f"(tune_accelerator(accelerator, model, optimizer, loader.dataset, effective_batch={effective or 'max'!r}, "
+        "collate=loader.collate_fn)), then build DataLoader(dataset, batch_sampler=result.plan.sampler(len(dataset)), "
+        "collate_fn=...); or give your batch_sampler batches of the plan's micro-batch. Nothing was set: "
+        "gradient_accumulation_steps is as it was"
+    )
 
 
 @reports_to_the_caller(hint=default_collate_hint)
@@ -191,7 +255,10 @@ def tune_accelerator(
             "batch size, so the loop would not run the plan's micro-batch; call tune_accelerator first, then "
             "accelerator.prepare a DataLoader with batch_size=result.plan.micro_batch"
         )
-    given = loader_batch_size(data) if isinstance(data, torch.utils.data.DataLoader) else None
+    given = None
+    if isinstance(data, torch.utils.data.DataLoader):
+        # The batch it really yields (a batch_sampler need not say its size), else the one it declares.
+        given = first_batch_size(data) or loader_batch_size(data)
     job = (
         None
         if given is None
@@ -242,15 +309,19 @@ def tune_accelerator(
         made = result.plan
         micro = micro_and_accumulation(result)[0]
         window = 1 if made is None else made.accumulation_steps
+        accumulation = window if policy is Policy.EXACT else 1
+        refusal = _sampler_refusal(data, given, micro, accumulation, effective, policy)
+        if refusal is not None:
+            raise refusal
         check = None
+        samples = _check_samples(data, collate, workload)
         if check_gradients and window > 1:
             check = gradients.check_gradients(
-                accelerate_gradients(accelerator, workload, unwrapped),
+                accelerate_gradients(accelerator, workload, unwrapped, samples),
                 micro=micro,
                 steps=window,
                 precision=precision,
             )
-        accumulation = window if policy is Policy.EXACT else 1
         tuning = tuning_record(
             "accelerate",
             job=job,
@@ -263,14 +334,16 @@ def tune_accelerator(
             started=started,
         )
         stale = None
-        if given is not None and given != micro and policy is Policy.EXACT:
+        if given is not None and not yields_the_plan(given, micro, data) and policy is Policy.EXACT:
             # A DataLoader cannot change its batch size: the job must build its own again.
             stale = (
                 f"the DataLoader given makes batches of {given}: build it again with batch_size={micro}, the plan's "
                 f"micro-batch, or the loop runs {given} x {accumulation} = {given * accumulation} samples a step per "
                 f"process instead of {micro * accumulation}"
             )
-        result = with_tuning(result, tuning, gradients.warning(check, _GRADIENT_FIX), stale)
+        result = with_tuning(
+            result, tuning, gradients.warning(check, _GRADIENT_FIX, _WEIGHTS_FIX, samples.described), stale
+        )
         then = (
             f"set gradient_accumulation_steps={accumulation}; build the DataLoader with batch_size={micro}"
             if policy is Policy.EXACT

@@ -83,6 +83,66 @@ def loader_batch_size(loader: Any) -> int | None:
     return size if isinstance(size, int) and not isinstance(size, bool) and size >= 1 else None
 
 
+@contextmanager
+def random_states_kept() -> Iterator[None]:
+    """Run the block, then put back torch's CPU random state, numpy's and `random`'s (what a
+    DataLoader's shuffling, its workers' seeds or a dataset's augmentation draw from)."""
+    cpu_state = torch.get_rng_state()
+    numpy_state = np.random.get_state()
+    random_state = random.getstate()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_state)
+        np.random.set_state(numpy_state)
+        random.setstate(random_state)
+
+
+def first_batch_size(loader: Any) -> int | None:
+    """The samples in the first batch `loader` yields: built and read on the host (nothing is moved
+    to a device), with the random states put back. None when it yields nothing, fails to, or its
+    batch cannot be counted (`autotune.plans.batches.count_samples`)."""
+    from autotune.plans.batches import count_samples
+
+    iterator: Any = None
+    with random_states_kept():
+        try:
+            iterator = iter(loader)
+            batch = next(iterator)
+        except Exception:  # noqa: BLE001 - the job's data: its errors are the scan's and the fit's to report
+            return None
+        finally:
+            del iterator  # a loader's workers stop with their iterator
+    try:
+        size = count_samples(batch)
+    except ConfigError:
+        return None
+    return size if size >= 1 else None
+
+
+def custom_batch_sampler(loader: Any) -> str | None:
+    """The class name of a DataLoader's batch_sampler when it is not torch's own BatchSampler (a
+    `batch_sampler=` given to the loader); None for a loader built with `batch_size=`."""
+    sampler = getattr(loader, "batch_sampler", None)
+    if sampler is None or type(sampler) is torch.utils.data.BatchSampler:
+        return None
+    return type(sampler).__name__
+
+
+def samples_in(loader: Any) -> int | None:
+    """len(loader.dataset), or None when it has none."""
+    try:
+        return len(loader.dataset)
+    except (AttributeError, TypeError):
+        return None
+
+
+def yields_the_plan(yielded: int, micro: int, loader: Any) -> bool:
+    """Whether a loader whose first batch has `yielded` samples runs micro-batches of `micro`: the
+    same number, or all of a dataset smaller than one micro-batch."""
+    return yielded == micro or (yielded < micro and samples_in(loader) == yielded)
+
+
 def describe_job(job: JobBatch) -> str:
     steps = "step" if job.accumulation_steps == 1 else "steps"
     processes = "process" if job.world_size == 1 else "processes"

@@ -20,14 +20,19 @@ It sets `batch_arg_name` (default `batch_size`) on the module, its hparams or th
 `lightning_setattr` finds it, and `trainer.accumulate_grad_batches`. Lightning's loaders run equal
 micro-batches, so plans use the `exact` policy. Manual optimization is the module's own loop: probe it
 with `Workload.from_model` instead. Refused, because Lightning would not run the plan: a
-`GradientAccumulationScheduler` (it sets the accumulation again at every epoch), and a train
-dataloader whose batch size is not the `batch_arg_name` attribute's.
+`GradientAccumulationScheduler` (it sets the accumulation again at every epoch), a train
+dataloader whose first batch is not the `batch_arg_name` attribute's size, and one that, built again
+once the plan's values are set, still yields the old size (a `batch_size=16` written into the
+DataLoader while the attribute was 16 too): its first batch is read on the host, on every rank, and
+the refusal puts the attribute and the accumulation back before the fit's first step.
 
 Lightning's loop holds one micro-batch at a time (a sized loader prefetches nothing), so two
 micro-steps stand for any number, and the plan is not searched again in its own number of
 micro-steps as the Trainer's is. When the plan accumulates, the gradient check
 (`autotune.integrations.gradients`) runs `training_step` over one window and one batch of the same
-samples: a loss summed over its samples (Lightning divides it by the steps) is off by 1/steps.
+samples, the train dataloader's own, collated by its collate function: a loss summed over its
+samples (Lightning divides it by the steps) is off by 1/steps, and a mean over each micro-batch's
+tokens is off as far as the samples' lengths differ.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ from autotune.errors import AutotuneError, ConfigError, ProbeError
 from autotune.integrations import gradients, micro_and_accumulation
 from autotune.integrations.job import (
     EffectiveBatch,
+    custom_batch_sampler,
+    first_batch_size,
     loader_batch_size,
     log_outcome,
     log_target,
@@ -58,6 +65,7 @@ from autotune.integrations.job import (
     tuning_record,
     valid_effective,
     with_tuning,
+    yields_the_plan,
 )
 from autotune.integrations.reporting import for_the_caller, lightning_frames_cut
 from autotune.plans.plan import Policy
@@ -128,19 +136,18 @@ def lightning_loop(
 
 
 def lightning_gradients(
-    trainer: pl.Trainer, module: pl.LightningModule, make_batch: Callable[[int, torch.device], Any]
+    trainer: pl.Trainer, module: pl.LightningModule, samples: gradients.CheckSamples
 ) -> gradients.WindowGradients:
     """The gradients Lightning's automatic optimization leaves for one window of `steps`
-    micro-batches of `micro` samples (rows of one batch): each loss divided by the steps."""
+    micro-batches of `micro` samples (the job's own, as its loader collates them: `samples`): each
+    loss divided by the steps."""
     precision = trainer.precision_plugin
 
     def window(micro: int, steps: int) -> torch.Tensor:
-        samples = micro * steps
-        whole = make_batch(samples, next(module.parameters()).device)
+        parts = samples.batches(micro, steps, next(module.parameters()).device)
         try:
             with gradients.same_function(module):
-                for i in range(steps):
-                    part = whole if steps == 1 else gradients.rows(whole, i * micro, (i + 1) * micro, samples)
+                for i, part in enumerate(parts):
                     with precision.train_step_context():
                         loss = _loss(module.training_step(part, i))
                     (loss / steps).backward()
@@ -154,6 +161,14 @@ def lightning_gradients(
 _GRADIENT_FIX = (
     "Lightning divides each micro-step's loss by accumulate_grad_batches, which averages a loss that is a mean over "
     "its micro-batch: return the mean (reduction='mean') from training_step, not a sum"
+)
+_WEIGHTS_FIX = (
+    "Lightning divides every micro-step's loss by accumulate_grad_batches alike, so a loss that is a mean over its "
+    "micro-batch's tokens (or over any count that differs between micro-batches) weighs the tokens of a short "
+    "micro-batch more than those of a long one: return the sum of the token losses divided by the tokens of the "
+    "whole window, or a mean over samples of each sample's token mean (every sample weighs alike), or train in "
+    "manual optimization with autotune.accumulate's token weights (count= the batch's tokens, then "
+    "step.scale(loss): docs/accumulation.md, token-weighted losses)"
 )
 
 
@@ -230,24 +245,78 @@ class AutotuneBatchSize(pl.Callback):
         if not isinstance(values, tuple):
             raise ProbeError(f"AutotuneBatchSize: the probe on rank 0 failed: {values}")
         micro, accumulation = values
+        before = lightning_getattr(pl_module, self.batch_arg_name), trainer.accumulate_grad_batches
         lightning_setattr(pl_module, self.batch_arg_name, micro)
         trainer.accumulate_grad_batches = accumulation
+        refusal = self._loader_refusal(trainer, micro, accumulation, before[0])
+        if refusal is not None:
+            # Put back as it was: the fit stops here, and the job keeps what it was configured with.
+            lightning_setattr(pl_module, self.batch_arg_name, before[0])
+            trainer.accumulate_grad_batches = before[1]
+            self._failure = for_the_caller(refusal)
+            raise self._failure
         self.values = values
         # A loader built before this point has the old batch size: build it again.
         trainer.fit_loop._combined_loader = None
+
+    def _loader_refusal(self, trainer: pl.Trainer, micro: int, accumulation: int, old: Any) -> ConfigError | None:
+        """The train dataloader built again with the new batch size, its first batch read on the host:
+        a refusal when it is not the plan's micro-batch (the loader does not read the attribute). On
+        every rank: each builds its own loader, and each stops when it would run another batch."""
+        loader = trainer.fit_loop._data_source.dataloader()
+        yielded = first_batch_size(loader)
+        if yielded is None:
+            yielded = loader_batch_size(loader)
+        if yielded is None or yields_the_plan(yielded, micro, loader):
+            return None
+        name = self.batch_arg_name
+        world = trainer.world_size
+        ran = f"{yielded} x {accumulation} x {world} = {yielded * accumulation * world}"
+        planned = f"{micro * accumulation * world}"
+        sampler = custom_batch_sampler(loader)
+        if not trainer.fit_loop._data_source.is_module():
+            how = (
+                "it was given to fit() as an object, which is not built again: return it from the module's (or a "
+                f"LightningDataModule's) train_dataloader(), built with batch_size=self.{name}"
+            )
+        elif sampler is not None:
+            how = (
+                f"its batch_sampler ({sampler}) makes batches of {yielded} whatever {name!r} is: build the "
+                f"batch_sampler from self.{name} in train_dataloader (or DataLoader(dataset, batch_size=self.{name}))"
+            )
+        else:
+            how = (
+                f"it makes batches of {yielded} whatever {name!r} is (a batch_size written into the DataLoader?): "
+                f"build it with batch_size=self.{name}"
+            )
+        return ConfigError(
+            f"AutotuneBatchSize set {name}={micro} (it was {old}) and accumulate_grad_batches={accumulation}, and the "
+            f"train dataloader built again yields batches of {yielded}: Lightning would run {ran} samples per "
+            f"optimizer step, not {planned}; {how} (or give batch_arg_name= the attribute it reads). Nothing was "
+            f"changed: {name} and accumulate_grad_batches are as they were"
+        )
 
     def _probe(self, trainer: pl.Trainer, module: pl.LightningModule) -> tuple[int, int]:
         started = time.perf_counter()
         loader = trainer.fit_loop._data_source.dataloader()
         if not isinstance(loader, torch.utils.data.DataLoader):
             raise ConfigError("AutotuneBatchSize needs one train DataLoader (not a collection of loaders)")
-        made, attribute = loader_batch_size(loader), lightning_getattr(module, self.batch_arg_name)
-        if made is None or made != attribute:
-            batches = "no batch size (a batch_sampler)" if made is None else f"batches of {made}"
+        # The batch the loader really yields (a batch_sampler need not say its size), else the one it declares.
+        made = first_batch_size(loader) or loader_batch_size(loader)
+        attribute = lightning_getattr(module, self.batch_arg_name)
+        reads_it = made is not None and isinstance(attribute, int) and yields_the_plan(made, attribute, loader)
+        if made is None or not reads_it:
+            batches = "batches that cannot be counted" if made is None else f"batches of {made}"
+            sampler = custom_batch_sampler(loader)
+            build = (
+                f"build its batch_sampler ({sampler}) from self.{self.batch_arg_name}"
+                if sampler is not None
+                else f"build the DataLoader with batch_size=self.{self.batch_arg_name}"
+            )
             raise ConfigError(
                 f"AutotuneBatchSize sets {self.batch_arg_name!r} ({attribute}), and the train dataloader has "
-                f"{batches}: Lightning would not run the plan's micro-batch; build the DataLoader with "
-                f"batch_size=self.{self.batch_arg_name} (or give batch_arg_name= the attribute it reads)"
+                f"{batches}: Lightning would not run the plan's micro-batch; {build} (or give batch_arg_name= the "
+                "attribute it reads)"
             )
         job = JobBatch.of(made, trainer.accumulate_grad_batches, trainer.world_size)
         effective, source = planned_effective(self.effective_batch, job, who="AutotuneBatchSize")
@@ -296,9 +365,12 @@ class AutotuneBatchSize(pl.Callback):
                 )
                 micro, accumulation = micro_and_accumulation(result)
                 check = None
+                samples: gradients.CheckSamples = gradients.JobSamples.of_loader(loader) or gradients.RowsOf(
+                    make_batch, "worst-case samples: the loader has automatic batching off"
+                )
                 if self.check_gradients and accumulation > 1:
                     check = gradients.check_gradients(
-                        lightning_gradients(trainer, module, make_batch),
+                        lightning_gradients(trainer, module, samples),
                         micro=micro,
                         steps=accumulation,
                         precision=precision,
@@ -316,7 +388,9 @@ class AutotuneBatchSize(pl.Callback):
                 result=result,
                 started=started,
             )
-            result = with_tuning(result, tuning, gradients.warning(check, _GRADIENT_FIX))
+            result = with_tuning(
+                result, tuning, gradients.warning(check, _GRADIENT_FIX, _WEIGHTS_FIX, samples.described)
+            )
             log_outcome(
                 reporter, result, f"set {self.batch_arg_name}={micro}, trainer.accumulate_grad_batches={accumulation}"
             )

@@ -19,9 +19,14 @@ that fits, the plan takes more steps than fewest-steps would (its warning says h
 `trainer.autotune_result.plan` shows both.
 
 When the plan accumulates, the gradient check (`autotune.integrations.gradients`) runs the Trainer's
-`train()` over one window and over one batch of the same examples: a model whose forward takes
-`**kwargs` but whose loss ignores `num_items_in_batch` gets no division by the accumulation steps
-from the Trainer, and the plan's warning says by how much its gradient is off and how to fix it.
+`train()` over one window and over one batch of the same examples (the job's, from the shortest to
+the longest, in order): a model whose forward takes `**kwargs` but whose loss ignores
+`num_items_in_batch` gets no division by the accumulation steps from the Trainer, and a loss that is
+a mean over each micro-batch's tokens without `num_items_in_batch` weighs short micro-batches' tokens
+more; the plan's warning says by how much its gradient is off and how to fix it.
+
+A `get_train_dataloader` that ignores `per_device_train_batch_size` (built at the job's size and at
+one more, before the probe: a size written into it makes the same batches at both) is refused.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, SequentialSampler
 from transformers import DefaultFlowCallback, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy
 
@@ -194,23 +199,27 @@ class _Capture(TrainerCallback):
         raise _Captured
 
 
-def trainer_gradients(trainer: Trainer, dataset: Any) -> gradients.WindowGradients:
+def trainer_gradients(trainer: Trainer, dataset: Any, samples: gradients.JobSamples) -> gradients.WindowGradients:
     """The gradients the Trainer's own `train()` leaves for one window of `steps` micro-batches of
-    `micro` examples (the dataset's first ones), stopped before the optimizer steps: the Trainer's
-    count of `num_items_in_batch` over the window, its division by the steps, its compute_loss."""
+    `micro` examples (the job's, from the shortest to the longest: `samples`), stopped before the
+    optimizer steps: the Trainer's collator on each micro-batch, its count of `num_items_in_batch`
+    over the window, its division by the steps, its compute_loss."""
     model = trainer.model
     assert isinstance(model, torch.nn.Module)
     given = _optimizer_copy(trainer)
 
     def window(micro: int, steps: int) -> torch.Tensor:
-        samples = micro * steps
+        indices = tuple(i for i, _sample in samples.chosen(micro * steps))
         capture = _Capture(model)
         with gradients.same_function(model), _borrowed(trainer) as args:
             args.per_device_train_batch_size, args.gradient_accumulation_steps = micro, steps
             args.max_steps = 1
             args.max_grad_norm = 0.0  # clipping would hide the scale that is checked
             trainer._train_batch_size = args.train_batch_size
-            trainer.train_dataset = _Repeated(dataset, tuple(range(min(samples, len(dataset)))), samples)
+            trainer.train_dataset = _Repeated(dataset, indices, len(indices))
+            # In order: the window's micro-batches are the chosen examples, shortest first (an instance
+            # attribute, gone with the rest of the borrowing).
+            trainer._get_train_sampler = lambda *_args, **_kwargs: SequentialSampler(trainer.train_dataset)
             trainer.callback_handler.callbacks = [capture]
             trainer.optimizer = None if given is None else given(model.parameters())
             trainer.lr_scheduler = None
@@ -248,6 +257,37 @@ def _gradient_fix(trainer: Trainer) -> str:
         "compute_loss_func= (or override compute_loss) doing so; on several processes, keep "
         "average_tokens_across_devices=True so that the count is the whole window's"
     )
+
+
+def _weights_fix(trainer: Trainer) -> str:
+    """For a window whose micro-batches are weighed unlike the batch weighs their examples."""
+    return (
+        "the Trainer weighs the window's micro-steps alike (it divides each loss by the steps, unless the loss takes "
+        "num_items_in_batch), so a loss that is a mean over its micro-batch's tokens weighs the tokens of a short "
+        "micro-batch more than those of a long one: sum the token losses and divide by num_items_in_batch, the "
+        "tokens of the whole window that the Trainer counts, in compute_loss_func= (or compute_loss, or a model "
+        "whose forward takes **kwargs and uses num_items_in_batch, as the Hugging Face language-model heads do); on "
+        "several processes, keep average_tokens_across_devices=True"
+    )
+
+
+def _refuse_a_loader_that_keeps_its_size(trainer: Trainer) -> None:
+    """get_train_dataloader() built at another per_device_train_batch_size than the job's (in a
+    borrowed Trainer: nothing is changed): a loader whose batch size does not follow the argument
+    wrote in a size (the job's own, which comparing at the job's size cannot tell), and every trial
+    and the job after tuning would run it."""
+    configured = trainer.args.per_device_train_batch_size
+    with _borrowed(trainer) as args:
+        args.per_device_train_batch_size = configured + 1
+        trainer._train_batch_size = args.train_batch_size
+        made = loader_batch_size(trainer.get_train_dataloader())
+    if made is not None and made != configured + 1:
+        raise ConfigError(
+            f"tune_trainer: this Trainer's get_train_dataloader() makes batches of {made} with "
+            f"per_device_train_batch_size={configured + 1} as with {configured}: it ignores the argument, which is "
+            "what autotune sets, so the trials and the job after tuning would run batches of "
+            f"{made}: build it with self._train_batch_size, as the Trainer's own does"
+        )
 
 
 @reports_to_the_caller()
@@ -302,6 +342,7 @@ def tune_trainer(
                 f"per_device_train_batch_size is {args.per_device_train_batch_size}: autotune sets the argument, "
                 "which this loader ignores: build it with self._train_batch_size, as the Trainer's own does"
             )
+        _refuse_a_loader_that_keeps_its_size(trainer)
         # The loader's collate function is the Trainer's: its collator, after dropping the columns the
         # model does not take.
         dataset, collate = loader.dataset, loader.collate_fn
@@ -335,9 +376,10 @@ def tune_trainer(
         )
         micro, accumulation = micro_and_accumulation(result)
         check = None
+        samples = gradients.JobSamples(dataset, collate)
         if check_gradients and accumulation > 1:
             check = gradients.check_gradients(
-                trainer_gradients(trainer, dataset),
+                trainer_gradients(trainer, dataset, samples),
                 micro=micro,
                 steps=accumulation,
                 precision=_precision(trainer),
@@ -353,7 +395,11 @@ def tune_trainer(
             result=result,
             started=started,
         )
-        result = with_tuning(result, tuning, gradients.warning(check, _gradient_fix(trainer)))
+        result = with_tuning(
+            result,
+            tuning,
+            gradients.warning(check, _gradient_fix(trainer), _weights_fix(trainer), samples.described),
+        )
         log_outcome(
             reporter,
             result,
