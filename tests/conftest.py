@@ -10,6 +10,7 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
@@ -80,6 +81,20 @@ def _imports_frozen() -> None:
     if gc.get_freeze_count() == 0:
         gc.collect()
         gc.freeze()
+
+
+@pytest.fixture
+def accelerate() -> Iterator[Any]:
+    """The accelerate package, for a test that runs its loop; its state (a process-wide singleton) is
+    reset afterwards, so that no test leaves its accumulation to another."""
+    module = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    gc.freeze()
+    yield module
+    gc.unfreeze()
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import gc
 import runpy
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -100,17 +99,7 @@ def _equivalent(result: Any) -> None:
     assert not [w for w in result.plan.warnings if "accumulation does not train like" in w]
 
 
-# Accelerate -------------------------------------------------------------------------------------
-@pytest.fixture
-def accelerate() -> Iterator[Any]:
-    module = pytest.importorskip("accelerate")
-    from accelerate.state import AcceleratorState, GradientState
-
-    gc.freeze()
-    yield module
-    gc.unfreeze()
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+# Accelerate (the `accelerate` fixture: tests/conftest.py) ----------------------------------------
 
 
 @pytest.mark.parametrize("data", ["dataset", "loader"])

@@ -128,17 +128,7 @@ def test_lightning_a_loader_that_reads_the_attribute_runs_the_effective_batch_re
     assert sum(module.seen) == 2 * 64
 
 
-# Accelerate -------------------------------------------------------------------------------------
-@pytest.fixture
-def accelerate() -> Iterator[Any]:
-    module = pytest.importorskip("accelerate")
-    from accelerate.state import AcceleratorState, GradientState
-
-    gc.freeze()
-    yield module
-    gc.unfreeze()
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+# Accelerate (the `accelerate` fixture: tests/conftest.py) ----------------------------------------
 
 
 def _samples_per_step(accelerator: Any, model: Any, loader: DataLoader[Any], steps: int) -> list[int]:

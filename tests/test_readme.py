@@ -188,6 +188,10 @@ COMMANDS_RUN_BY = {
 }
 # (page, command without its comment) -> why no test runs it.
 NOT_RUN = {
+    ("docs/measurements.md", ".venv/bin/python bench/gradient_check.py --runs 3"): (
+        "a benchmark of wall and CPU seconds (a measurement, dated); tests/test_gradient_check_samples.py runs the "
+        "same Trainer example through the check"
+    ),
     ("docs/measurements.md", ".venv/bin/python bench/confirm.py --runs 5"): (
         "a benchmark of wall seconds (a measurement, dated); tests/test_zygote.py tests the fork server itself"
     ),
