@@ -23,6 +23,7 @@ from tests import leak_workloads
 from tests.serving import ROOT
 
 AUTOTUNE = str(Path(sys.executable).parent / "autotune")
+CPU = ("--device", "cpu")
 
 
 @pytest.mark.parametrize("allocator", ["exact", "cuda"], ids=["exact-counting", "allocator-model"])
@@ -104,26 +105,35 @@ def test_the_tolerance() -> None:
     assert peak_mismatch("plan", 8, 100 * mib, None) is None  # no probe trial at that size
 
 
-def _probe(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [AUTOTUNE, "probe", *args, "--device", "cpu"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        check=False,
-    )
+class _Ran:
+    """What the CLI's entry point returned and printed, run in this process: its probe forks from the
+    server this process's probes share (the CLI as a process of its own: the tests above)."""
+
+    def __init__(self, code: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stdout, self.stderr = code, stdout, stderr
 
 
-def _one_line(proc: subprocess.CompletedProcess[str], starts: str) -> str:
+def _cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, *args: str) -> _Ran:
+    from autotune import cli
+
+    monkeypatch.chdir(ROOT)
+    capsys.readouterr()
+    code = cli.run(list(args))
+    printed = capsys.readouterr()
+    return _Ran(code, printed.out, printed.err)
+
+
+def _one_line(proc: _Ran, starts: str) -> str:
     assert "Traceback" not in proc.stderr
     (line,) = [line for line in proc.stderr.splitlines() if line.startswith(starts)]
     return line
 
 
-def test_memory_kept_by_a_trial_fails_the_probe_naming_the_trial_and_what_it_kept() -> None:
+def test_memory_kept_by_a_trial_fails_the_probe_naming_the_trial_and_what_it_kept(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Issue 36: a cache per batch size answered 51 / 1054 in 44 trials with exit 0.
-    proc = _probe("tests.leak_workloads:cache_per_size", "--memory", "4MiB", "--json")
+    proc = _cli(capsys, monkeypatch, "probe", "tests.leak_workloads:cache_per_size", *CPU, "--memory", "4MiB", "--json")
     assert proc.returncode == 1
     line = _one_line(proc, "probe failed: memory kept between trials")
     # The predictor's second timeline trial (batch 2) left its cache; the first trial's cache (batch
@@ -148,9 +158,21 @@ def test_a_runner_tells_memory_kept_between_trials_from_a_cache_built_once() -> 
     assert (caught.value.trial, caught.value.batch, caught.value.kept_bytes) == (2, 8, 512)
 
 
-def test_a_leak_that_starts_late_fails_the_probe() -> None:
+def test_a_leak_that_starts_late_fails_the_probe(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Issue 36: memory that grows from the 7th step on answered "none fits with accumulation", exit 0.
-    proc = _probe("tests.leak_workloads:late_leak", "--memory", "4MiB", "--effective-batch", "64")
+    proc = _cli(
+        capsys,
+        monkeypatch,
+        "probe",
+        "tests.leak_workloads:late_leak",
+        *CPU,
+        "--memory",
+        "4MiB",
+        "--effective-batch",
+        "64",
+    )
     assert proc.returncode == 1
     line = _one_line(proc, "probe failed: memory kept between trials")
     assert "grad_fn AddmmBackward0" in line  # the kept output, with its graph
@@ -167,10 +189,8 @@ def test_a_leak_that_starts_late_in_a_trial_is_named_with_its_first_step() -> No
 
 
 def test_a_fresh_process_confirmation_sees_a_leak_that_starts_within_its_steps() -> None:
-    # The search's process runs 3 loss calls before the leak starts at call 4 only when --confirm-steps
-    # lets the confirmation reach it: a leak that starts at a fresh process's 4th step is seen there.
-    proc = _probe("tests.leak_workloads:late_leak", "-o", "start=1000000", "--memory", "4MiB", "--confirm-steps", "5")
-    assert proc.returncode == 0, proc.stderr  # never starts: a clean probe
+    # A confirmation run is one trial of --confirm-steps optimizer steps in a new process (here the
+    # function that process runs): a leak that starts at its 4th step is seen there.
     from autotune.engine.confirm import FreshRunRequest, _one_trial
     from autotune.request import ProbeRequest
     from autotune.results import LoopShape
@@ -186,20 +206,17 @@ def test_a_fresh_process_confirmation_sees_a_leak_that_starts_within_its_steps()
     )
     with pytest.raises(LeakError, match="from step 4 on"):
         _one_trial(job)
+    # Starting after its last step (and the one that tells a leak from a cache): not seen.
+    assert _one_trial(job.model_copy(update={"loop": LoopShape(micro_steps=1, steps=2)})).fits
 
 
-def test_a_workload_whose_batch_is_not_repeatable_is_refused_by_probe_and_estimate() -> None:
+def test_a_workload_whose_batch_is_not_repeatable_is_refused_by_probe_and_estimate(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Issue 36: `estimate` of a workload whose shape changes on every call answered 70 / 297, exit 0.
-    for command in ("probe", "estimate"):
-        proc = subprocess.run(
-            [AUTOTUNE, command, "tests.leak_workloads:shape_changes", "--memory", "4MiB"]
-            + (["--device", "cpu"] if command == "probe" else ["--overhead", "0"]),
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=ROOT,
-            check=False,
-        )
+    flags = {"probe": CPU, "estimate": ("--overhead", "0")}
+    for command, extra in flags.items():
+        proc = _cli(capsys, monkeypatch, command, "tests.leak_workloads:shape_changes", "--memory", "4MiB", *extra)
         assert proc.returncode == 2, (command, proc.stderr)
         line = _one_line(proc, "error: make_batch(")
         assert "is not repeatable" in line and "float32[" in line, line
