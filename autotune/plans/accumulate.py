@@ -14,9 +14,15 @@ gradient of one big batch:
 A window is the micro-batches accumulated into one optimizer step (`plan.accumulation_steps` of
 them, fewer at the end of an epoch). Each micro-step's weight divides by what is actually in its
 window, counted by `count` (samples by default, or tokens), never by the configured step count:
-the naive `loss / steps` is wrong for a short last window and for token-weighted losses. To know
-a window's total before its first backward, the helper reads the whole window from the iterable
-first, so one window of micro-batches is held at a time.
+the naive `loss / steps` is wrong for a short last window and for token-weighted losses. A window's
+total must be known before its first backward. With a Plan, samples as the count, and a loader
+whose length says how many samples it yields (a DataLoader over a sized dataset, a
+`PlanBatchSampler`, a list), the totals come from the plan's window sizes and that length, and the
+micro-batches are read one at a time: no more of them is held than the probe counted. Otherwise
+(tokens, a bare step count, an iterable of unknown length) the helper reads the whole window
+first, so one window of micro-batches is held at a time: keep the loader's batches on the host and
+move each micro-batch to the device where it is used (a warning says so when they are not), or
+probe with `--prefetch` (steps - 1) so that the answer counts them.
 
 Losses, with n = count(micro-batch) and N = the window's total (over all ranks with `AcrossRanks`):
     mean over the n units  -> step.scale(loss)                   == loss * n / N
@@ -40,7 +46,14 @@ from itertools import islice
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from autotune.errors import AutotuneError, ConfigError, DoubleScalingError, RunOutOfMemoryError
-from autotune.plans.batches import PlanWindow, count_samples, plan_windows_of, split_batch
+from autotune.plans.batches import (
+    PlanWindow,
+    count_samples,
+    epoch_samples,
+    plan_micro_batches_of,
+    plan_windows_of,
+    split_batch,
+)
 from autotune.plans.plan import Plan
 
 _log = logging.getLogger("autotune")
@@ -218,11 +231,85 @@ def accumulate(
     (`PlanBatchSampler`). With a bare number of steps, `steps` batches make a window as they come.
 
     `count(batch)` says how many units the loss averages over: samples by default (the first
-    dimension), tokens for token-weighted losses (e.g. `lambda b: b["mask"].sum()`). A window's
-    micro-batches are read before its first micro-step is yielded, to know the window's total.
+    dimension), tokens for token-weighted losses (e.g. `lambda b: b["mask"].sum()`). With a Plan,
+    samples and a loader that says its length, micro-batches are read one at a time (the windows'
+    totals come from the plan and the length); otherwise a window's micro-batches are read before
+    its first micro-step is yielded, to know the window's total.
     """
+    samples = epoch_samples(batches) if isinstance(steps, Plan) and count is None else None
+    if isinstance(steps, Plan) and samples is not None:
+        yield from _streamed(batches, steps, samples, ranks)
+        return
+    held = False
     for number, window in enumerate(_plan_windows(batches, steps)):
+        if not held:
+            held = _warn_if_held_on_a_device(window.batches)
         yield from accumulate_window(number, window.batches, count=count, ranks=ranks, short=window.short)
+
+
+def _streamed(batches: Iterable[B], plan: Plan, samples: int, ranks: AcrossRanks | None) -> Iterator[MicroStep[B]]:
+    """`accumulate`'s micro-steps read one at a time: each window's total from the plan and the loader's length."""
+    _refuse_double_scaling()
+    world_size = ranks.world_size if ranks is not None else 1
+    window_samples = sum(plan.micro_batches)
+    current, total, index, steps_in_window = -1, 0, 0, 0
+    for number, samples_in_window, batch, n in plan_micro_batches_of(batches, plan, samples):
+        if number != current:
+            current, index = number, 0
+            total = ranks.total(samples_in_window) if ranks is not None else samples_in_window
+            steps_in_window = _pieces(plan.micro_batches, samples_in_window)
+            if samples_in_window < window_samples:
+                _log.info(
+                    "autotune: the last window holds %d samples of the plan's %d per rank (the end of the data): "
+                    "its optimizer step sees a smaller effective batch",
+                    samples_in_window,
+                    window_samples,
+                )
+        yield MicroStep(
+            batch=batch,
+            window=number,
+            index=index,
+            window_size=steps_in_window,
+            count=n,
+            total=total,
+            weight=mean_loss_weights([n], total, world_size)[0] if total else 0.0,
+            sum_weight=sum_loss_weight(total, world_size),
+            short=samples_in_window < window_samples,
+        )
+        index += 1
+
+
+def _pieces(sizes: Sequence[int], samples: int) -> int:
+    """How many of the plan's micro-batches a window of `samples` holds (the last one what is left)."""
+    pieces = taken = 0
+    for size in sizes:
+        if taken >= samples:
+            break
+        pieces, taken = pieces + 1, taken + size
+    return pieces
+
+
+def _warn_if_held_on_a_device(window: list[Any]) -> bool:
+    """Say once that a window read whole sits on an accelerator: the probe counted one micro-batch
+    there, not the window. True once said (or when there is nothing to say after the first window)."""
+    import torch
+    from torch.utils import _pytree
+
+    devices = {
+        leaf.device
+        for leaf in _pytree.tree_leaves(window)
+        if isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu"
+    }
+    if devices and len(window) > 1:
+        _log.warning(
+            "autotune.accumulate read a window of %d micro-batches to count it before its first backward, and they "
+            "are on %s: the probe counted one micro-batch there. Keep the loader's batches on the host and move each "
+            "micro-batch to the device in the loop, or probe with --prefetch %d to count the window",
+            len(window),
+            ", ".join(sorted(str(d) for d in devices)),
+            len(window) - 1,
+        )
+    return True
 
 
 # The OOM guard ---------------------------------------------------------------------------------

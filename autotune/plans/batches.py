@@ -221,6 +221,68 @@ def plan_windows_of(batches: Iterable[Any], plan: Plan) -> Iterator[PlanWindow]:
             return
 
 
+def epoch_samples(batches: object) -> int | None:
+    """The samples `batches` yields in one pass, when it says so without being read: a DataLoader's
+    (its sampler's length, less what `drop_last` drops; a `PlanBatchSampler`'s own count), a list
+    of batches'. None for anything else (an iterable dataset, a generator, a batch sampler of
+    unknown kind)."""
+    if isinstance(batches, list | tuple):
+        try:
+            return sum(count_samples(batch) for batch in batches)
+        except ConfigError:  # not countable: cutting the windows refuses it, with the fix
+            return None
+    batch_sampler = getattr(batches, "batch_sampler", None)
+    if batch_sampler is None:
+        return None
+    samples = getattr(batch_sampler, "samples", None)
+    if callable(samples):  # a PlanBatchSampler
+        return int(samples())
+    if type(batch_sampler).__name__ != "BatchSampler" or not hasattr(batch_sampler, "sampler"):
+        return None
+    try:
+        total = len(batch_sampler.sampler)
+    except TypeError:  # an iterable dataset's endless sampler
+        return None
+    size = batch_sampler.batch_size
+    return total - total % size if batch_sampler.drop_last else total
+
+
+def plan_micro_batches_of(batches: Iterable[Any], plan: Plan, samples: int) -> Iterator[tuple[int, int, Any, int]]:
+    """(window, its samples, micro-batch, its samples) for each of the plan's micro-batches, one at a
+    time, from a loader that yields `samples` samples in all: the windows' totals are known before
+    any of their micro-batches is read (the last one holds what is left), so nothing is read ahead.
+    Refuses a loader that yields other than `samples` with a ConfigError."""
+    sizes = plan.micro_batches
+    window_samples = sum(sizes)
+    stream = _SampleStream(iter(batches))
+    number, read = 0, 0
+    while read < samples:
+        total = min(window_samples, samples - read)
+        wanted: list[int] = []
+        for size in sizes:
+            if sum(wanted) >= total:
+                break
+            wanted.append(min(size, total - sum(wanted)))
+        for size in wanted:
+            micro = stream.take(size)
+            if micro is None or micro[1] != size:
+                got = read + (0 if micro is None else micro[1])
+                raise ConfigError(_length_mismatch(samples, f"ended after {got} samples"))
+            read += size
+            yield number, total, micro[0], size
+        number += 1
+    if stream.take(1) is not None:
+        raise ConfigError(_length_mismatch(samples, "yielded more"))
+
+
+def _length_mismatch(samples: int, what: str) -> str:
+    return (
+        f"the loader's length says {samples} samples an epoch, and it {what}: its windows' totals were taken from "
+        "that length to weigh each micro-step before the window was read; give it a sampler whose length is what "
+        "it yields (or pass count=, which reads each window first)"
+    )
+
+
 class _SampleStream:
     """Batches as a stream of samples: `take(n)` gives the next n (fewer at the end) as one batch."""
 

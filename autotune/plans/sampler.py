@@ -78,6 +78,12 @@ class PlanBatchSampler:
     def __iter__(self) -> Iterator[list[int]]:
         yield from plan_windows(self._indices(), self.plan, self.drop_last)
 
+    def samples(self) -> int:
+        """The samples of one pass (a short last window dropped with `drop_last`)."""
+        total = self.source if isinstance(self.source, int) else len(self.source)
+        window = sum(self.plan.micro_batches)
+        return total - total % window if self.drop_last else total
+
     def __len__(self) -> int:
         total = self.source if isinstance(self.source, int) else len(self.source)
         window = sum(self.plan.micro_batches)
