@@ -80,6 +80,11 @@ class ProbeRequest(BaseModel):
         description="The budget device's memory: exact (live bytes) or cuda (every allocation through a model of "
         "CUDA's caching allocator: reserved memory, fragmentation, retries). Default AUTOTUNE_ALLOCATOR, exact.",
     )
+    card: Literal["h100"] | None = Field(
+        default=None,
+        description="The GPU the budget device stands for (autotune.devices.cards): the allocator model with the "
+        "card's fraction cap, the memory outside PyTorch and cuBLAS's workspaces. Budget device only.",
+    )
     allocator_config: str | None = Field(
         default=None,
         max_length=200,
@@ -127,6 +132,8 @@ class ProbeRequest(BaseModel):
             raise ValueError("headroom fraction must be in [0, 1)")
         if self.parallel == "fsdp" and self.world_size < 2:
             raise ValueError("parallel='fsdp' shards over world_size ranks: give world_size 2 or more")
+        if self.card is not None and self.device is not None and parse_device(self.device)[0] == "cuda":
+            raise ValueError("card is what the budget device stands for (device 'cpu'); on a GPU the card is itself")
         if self.search == "predict" and self.start_batch != 1:
             raise ValueError("start_batch is for search='plain': the predicted search starts from its timeline trials")
         return self

@@ -551,7 +551,10 @@ def test_on_a_card_larger_than_the_cap_a_page_can_pass_the_cap() -> None:
         ("expandable_segments:True", AllocatorConfig(expandable_segments=True)),
         ("expandable_segments:False", AllocatorConfig()),
         (" max_split_size_mb : 128 , expandable_segments:True ", AllocatorConfig(128 * MiB, True)),
-        ("garbage_collection_threshold:0.6,max_split_size_mb:20", AllocatorConfig(max_split_size=20 * MiB)),
+        (
+            "garbage_collection_threshold:0.6,max_split_size_mb:20",
+            AllocatorConfig(max_split_size=20 * MiB, garbage_collection_threshold=0.6),
+        ),
         ("expandable_segments:True,expandable_segments:False", AllocatorConfig()),  # the last one wins
         ("backend:native,release_lock_on_cudamalloc:True,pinned_use_cuda_host_register:True", AllocatorConfig()),
     ],

@@ -71,8 +71,9 @@ The rules, as the source states them
 Simplified (what the model leaves out)
     - One device and one stream: no record_stream, no CUDA events, no cross-stream reuse, no CUDA
       graph private pools, no MemPool.
-    - garbage_collection_threshold is parsed and checked but not modelled (it only frees cached
-      blocks early, before a cudaMalloc, when the fraction cap is set).
+    - garbage_collection_threshold is parsed and checked but not modelled (it frees cached blocks
+      early, before a cudaMalloc, when the fraction cap is set, which hides the retries a run at the
+      edge would show): the budget device refuses it (`AllocatorConfig.garbage_collection_threshold`).
     - roundup_power2_divisions, max_non_split_rounding_mb, large_segment_size_mb,
       throw_on_cudamalloc_oom and backend:cudaMallocAsync change where blocks land or when a miss
       fails, and are refused by `AllocatorConfig.parse`; the model follows their defaults (plain
@@ -157,6 +158,7 @@ class AllocatorConfig:
 
     max_split_size: int | None = None  # bytes; None = unlimited (the default)
     expandable_segments: bool = False
+    garbage_collection_threshold: float | None = None  # read, not modelled (see the module's docstring)
 
     def __post_init__(self) -> None:
         if self.max_split_size is not None and self.max_split_size <= 0:
@@ -172,6 +174,7 @@ class AllocatorConfig:
         tokens = _tokenize(text)
         max_split: int | None = None
         expandable = False
+        threshold: float | None = None
         i = 0
         while i < len(tokens):
             key = tokens[i]
@@ -192,7 +195,7 @@ class AllocatorConfig:
             elif key == "expandable_segments":
                 expandable = _bool(key, value)
             elif key == "garbage_collection_threshold":
-                _gc_threshold(value)  # checked as torch checks it; not modelled
+                threshold = _gc_threshold(value)  # checked as torch checks it; not modelled
             elif key == "backend" and value != "native":
                 # cudaMallocAsync is the driver's allocator: none of these rules apply to it.
                 raise ValueError(f"allocator backend {value!r} is not modelled (only 'native')")
@@ -201,7 +204,7 @@ class AllocatorConfig:
                 if tokens[i] != ",":
                     raise ValueError(f"expected ',' after allocator setting {key!r} in {text!r}")
                 i += 1
-        return cls(max_split_size=max_split, expandable_segments=expandable)
+        return cls(max_split_size=max_split, expandable_segments=expandable, garbage_collection_threshold=threshold)
 
     def describe(self) -> str:
         parts = []
@@ -380,14 +383,26 @@ class CachingAllocatorModel:
     """DeviceCachingAllocator for one device and one stream, capped at `limit_bytes` reserved."""
 
     def __init__(
-        self, limit_bytes: int, config: AllocatorConfig = DEFAULT_CONFIG, *, total_bytes: int | None = None
+        self,
+        limit_bytes: int,
+        config: AllocatorConfig = DEFAULT_CONFIG,
+        *,
+        total_bytes: int | None = None,
+        outside_bytes: int = 0,
     ) -> None:
+        """`total_bytes`: the card's memory (default: `limit_bytes`), from which the fraction cap is
+        computed; `outside_bytes`: what the card holds outside PyTorch's allocator (the CUDA context,
+        the driver's own), which cudaMalloc and page mapping cannot have."""
         if limit_bytes <= 0:
             raise ValueError(f"limit_bytes must be positive, got {limit_bytes}")
         if total_bytes is not None and total_bytes < limit_bytes:
             raise ValueError(f"total_bytes {total_bytes} is below limit_bytes {limit_bytes}")
+        if outside_bytes < 0:
+            raise ValueError(f"outside_bytes must be >= 0, got {outside_bytes}")
         self.limit_bytes = limit_bytes
         self.total_bytes = limit_bytes if total_bytes is None else total_bytes
+        self.outside_bytes = outside_bytes
+        self._physical = self.total_bytes - outside_bytes  # what cudaMalloc can get on the card
         # What set_per_process_memory_fraction(limit / total) allows (the docstring's fraction cap):
         # the H100's own history of a loop at 2 GiB ran out where reserved memory would have reached
         # the limit exactly, and this model replaying it let it through until it counted so.
@@ -597,8 +612,8 @@ class CachingAllocatorModel:
             return None  # the fraction cap: reserved bytes plus the allocation size
         if self._expandable:
             return self._try_allocate_expandable_block(pool, size)
-        if self._reserved + alloc_size > self.total_bytes:
-            return None  # cudaMalloc: the card itself is full
+        if self._reserved + alloc_size > self._physical:
+            return None  # cudaMalloc: the card itself is full (its context takes the rest)
         block = _Block(alloc_size, self._take_addresses(alloc_size, K_ROUND_LARGE), pool, None)
         self._reserve(alloc_size)
         self._segments += 1
@@ -715,7 +730,7 @@ class CachingAllocatorModel:
         first = (block.addr - segment.base) // page
         end = -(-(block.addr + size - segment.base) // page)
         nbytes = (end - first) * page
-        if nbytes == 0 or self._reserved + nbytes > self.total_bytes:
+        if nbytes == 0 or self._reserved + nbytes > self._physical:
             return False  # cuMemCreate fails: no physical memory left on the card
         self._remove_unmapped(block)
         block.mapped = True

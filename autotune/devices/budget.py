@@ -31,6 +31,13 @@ when it dies: the limit then bites on the model's *reserved* bytes, as it does o
 exceeds allocated, blocks fragment, a failed segment allocation frees the cache and retries, and the
 trial's settle and thrash rules see the counters a GPU would show. Peaks of allocated bytes stay
 exact; `peak_reserved_bytes` is the model's.
+
+With a card profile (`card="h100"`, `autotune.devices.cards`) the device stands for that GPU: the
+model's fraction cap is computed from the card's total as CUDA computes it, memory outside
+PyTorch's allocator (the CUDA context) is out of cudaMalloc's reach, and cuBLAS's workspaces are
+allocated where cuBLAS allocates them: one per handle, the forward's at its first matmul and
+autograd's at the first matmul of a backward, kept until `empty_cache` (as `CudaDevice.empty_cache`
+clears them), counted as allocated bytes as PyTorch counts them.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import os
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -46,7 +54,7 @@ from typing import Any, Literal
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-from autotune.devices import host
+from autotune.devices import cards, host
 from autotune.devices.allocator import AllocatorConfig, AllocatorOutOfMemory, CachingAllocatorModel
 from autotune.errors import ConfigError
 from autotune.results import AllocatorState, MemoryBreakdown, MemoryRole
@@ -90,6 +98,10 @@ class _Counter:
         self.allocator: CachingAllocatorModel | None = None
         self.blocks: dict[int, int] = {}
         self.refused: AllocatorOutOfMemory | None = None
+        # The card the device stands for (None: none), and the cuBLAS workspace of each handle that
+        # has run a matmul since the last empty_cache (0: the forward's, 1: autograd's).
+        self.card: cards.CardProfile | None = None
+        self.workspaces: dict[int, torch.Tensor] = {}
         # A garbage collection inside a model call can run a storage's weakref callback, which
         # must not re-enter the model: its frees wait here until the call returns.
         self.busy = False
@@ -249,26 +261,38 @@ class BudgetDevice:
         *,
         allocator: Literal["exact", "cuda"] | None = None,
         allocator_config: str | None = None,
+        card: str | None = None,
     ) -> None:
         """`allocator`: exact (live bytes) or cuda (through the caching allocator's model, with
-        `allocator_config` in PYTORCH_CUDA_ALLOC_CONF's syntax); default AUTOTUNE_ALLOCATOR, read now."""
+        `allocator_config` in PYTORCH_CUDA_ALLOC_CONF's syntax); default AUTOTUNE_ALLOCATOR, read now.
+        `card`: a card profile's name (`autotune.devices.cards`): the model, standing for that GPU."""
         self.total_bytes = total_bytes
         self.limit_bytes = total_bytes if limit_bytes is None else limit_bytes
-        self.name = f"CPU budget device ({format_bytes(total_bytes)})"
+        profile = None if card is None else cards.card(card)
+        self.name = f"CPU budget device ({format_bytes(total_bytes)})" + (
+            "" if profile is None else f" standing for an {profile.model}"
+        )
         self.torch_device = torch.device("cpu")
         self._counter = _Counter()
-        self.allocator = allocator_mode() if allocator is None else allocator
+        self.allocator = "cuda" if profile is not None else allocator_mode() if allocator is None else allocator
         self.allocator_config: str | None = None
         if self.allocator == "cuda":
-            try:
-                config = AllocatorConfig.parse(allocator_config)
-            except ValueError as exc:  # from PYTORCH_CUDA_ALLOC_CONF, which no flag check has seen
+            config = _model_config(allocator_config)
+            if profile is not None and total_bytes > profile.total_bytes:
                 raise ConfigError(
-                    f"the allocator model's settings {allocator_config!r} (--allocator-config, else "
-                    f"PYTORCH_CUDA_ALLOC_CONF): {exc}"
-                ) from None
-            self._counter.allocator = CachingAllocatorModel(self.limit_bytes, config)
-            self.allocator_config = f"model of CUDA's caching allocator, {config.describe()}"
+                    f"--memory {format_bytes(total_bytes)} is more than an {profile.model} has "
+                    f"({format_bytes(profile.total_bytes)}): give at most that"
+                )
+            self._counter.allocator = CachingAllocatorModel(
+                self.limit_bytes,
+                config,
+                total_bytes=None if profile is None else profile.total_bytes,
+                outside_bytes=0 if profile is None else profile.outside_bytes,
+            )
+            self._counter.card = profile
+            self.allocator_config = f"model of CUDA's caching allocator, {config.describe()}" + (
+                "" if profile is None else f", {profile.describe()}"
+            )
 
     # Counting -----------------------------------------------------------------------------
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -332,7 +356,8 @@ class BudgetDevice:
 
     def empty_cache(self) -> None:
         """Exact counting caches nothing; the allocator model returns its free segments, as
-        `torch.cuda.empty_cache()` does."""
+        `torch.cuda.empty_cache()` does, after cuBLAS's workspaces (as `CudaDevice.empty_cache`)."""
+        self._counter.workspaces.clear()  # their storages die, and their blocks go back to the model
         if self._counter.allocator is not None:
             self._counter.allocator.empty_cache()
 
@@ -435,6 +460,8 @@ class _BudgetMode(TorchDispatchMode):
         if host.active():  # the job's host-side work (its collate): no device memory, no timeline
             return func(*args, **(kwargs or {}))
         counter = self.counter
+        if counter.card is not None and func.overloadpacket in _CUBLAS_OPS:
+            _cublas_workspace(counter, func)
         counter.op = func
         inputs = leaves_of((args, kwargs))
         for value in inputs:
@@ -467,6 +494,51 @@ class _BudgetMode(TorchDispatchMode):
             counter.timeline.append(("op", str(func), counter.live))
             counter.timeline.append(("site", host.code_site(), 0))
         return out
+
+
+# The aten ops that run on cuBLAS on a GPU (a matmul, linear and einsum come down to these): the first
+# one of a handle allocates its workspace.
+_CUBLAS_OPS = frozenset(
+    getattr(torch.ops.aten, name)
+    for name in ("mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "_addmm_activation")
+)
+
+
+def _cublas_workspace(counter: _Counter, func: Any) -> None:
+    """Allocate the cuBLAS workspace of the handle running `func` (the forward's, or autograd's in a
+    backward) if it has none yet, counted as an allocation of that op; an OOM there is the op's."""
+    card = counter.card
+    assert card is not None
+    handle = min(card.cublas_handles - 1, int(torch._C._current_graph_task_id() != -1))
+    if handle in counter.workspaces:
+        return
+    workspace = torch.empty(card.cublas_workspace_bytes, dtype=torch.uint8)  # the mode is off in here
+    counter.op = f"cuBLAS workspace ({func})"
+    counter.add(workspace.untyped_storage())
+    _raise_refused(counter, str(counter.op))
+    counter.workspaces[handle] = workspace
+
+
+def _model_config(text: str | None) -> AllocatorConfig:
+    """The allocator model's settings, refused where the model would not follow them."""
+    try:
+        config = AllocatorConfig.parse(text)
+    except ValueError as exc:  # from PYTORCH_CUDA_ALLOC_CONF, which no flag check has seen
+        raise ConfigError(
+            f"the allocator model's settings {text!r} (--allocator-config, else PYTORCH_CUDA_ALLOC_CONF): {exc}"
+        ) from None
+    if config.garbage_collection_threshold is not None:
+        raise ConfigError(
+            f"the allocator model's settings {text!r} (--allocator-config, else PYTORCH_CUDA_ALLOC_CONF) set "
+            "garbage_collection_threshold, which the budget device's model does not follow (it frees cached blocks "
+            "before a cudaMalloc, and hides the retries that show a size at the edge): drop it, or probe on the GPU"
+        )
+    if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") not in ("", "0"):
+        raise ConfigError(
+            "PYTORCH_NO_CUDA_MEMORY_CACHING is set: without a cache there is no caching allocator to model (and on "
+            "CUDA no fraction cap): unset it"
+        )
+    return config
 
 
 def leaves_of(value: Any) -> list[Any]:

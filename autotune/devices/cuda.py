@@ -44,6 +44,16 @@ def apply_allocator_config(config: str | None) -> None:
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = config
 
 
+def refuse_uncached() -> None:
+    """PYTORCH_NO_CUDA_MEMORY_CACHING turns the caching allocator off, and with it the fraction cap
+    a probe's limit is: every size would fit up to the card. Refused with one line."""
+    if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") not in ("", "0"):
+        raise ConfigError(
+            "PYTORCH_NO_CUDA_MEMORY_CACHING is set: it turns CUDA's caching allocator off, and with it the memory "
+            "fraction a probe's limit is (every size would seem to fit up to the card): unset it to probe"
+        )
+
+
 class CudaDevice:
     """One CUDA device, capped at `limit_bytes` of reserved memory."""
 

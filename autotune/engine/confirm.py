@@ -447,6 +447,7 @@ def _one_trial(job: FreshRunRequest, on_progress: ProgressCallback | None = None
             job.limit_bytes,
             allocator=job.probe.allocator,
             allocator_config=job.probe.allocator_config or os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+            card=job.probe.card,
         )
     try:
         runner = TrialRunner(

@@ -82,9 +82,11 @@ def open_device(request: ProbeRequest) -> tuple[ProbeDevice, str, int, int]:
             budget - room,
             allocator=request.allocator,
             allocator_config=request.allocator_config or cuda.allocator_config(),
+            card=request.card,
         )
         return device, policy_name, budget, room
 
+    cuda.refuse_uncached()
     cuda.apply_allocator_config(request.allocator_config)
     free, total = cuda.card_memory(index)
     if policy == "free":
