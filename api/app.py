@@ -1,7 +1,8 @@
 """The FastAPI application: `create_app()` wires settings, lifespan, routes and error handlers.
 
 The lifespan opens the `Service` (registry, devices, store, caches, probe workers) before the
-first request and closes it after the last, marking the probe this process runs as interrupted.
+first request and closes it after the last, putting the probe this process runs back in the
+queue, under its id, for the node's other workers or this server's successor.
 Any number of processes may share one AUTOTUNE_DB (`autotune serve --workers N`, several nodes on
 one PostgreSQL): jobs, leases and results live in the database.
 """

@@ -7,9 +7,17 @@ between concurrent requests). Every device of this node has a worker thread in e
 process: it claims the oldest queued job of its (node, device) when it holds the device's lease,
 runs it through `autotune.engine.confirm.probe_and_confirm` (an isolated child with the timeout, then the
 fresh-process confirmation) while a heartbeat renews the lease, and finishes it in one
-transaction. A worker whose process dies stops heartbeating: the next claim on that device fails
-its job as interrupted (at once when the dead process was on this host), and queued jobs wait
-for any worker of the node, this process's successor included.
+transaction. A worker whose process dies stops heartbeating: its job is queued again under its id
+(at once when the dead process was on this host: the node's other workers look for that as they
+look for queued jobs; else after a lease), so its waiters go on waiting and the node's next free
+worker runs it; queued jobs wait for any worker of the node, this process's successor included. A
+server that shuts down puts its running job back in the queue the same way.
+
+A claimed job holds its device's lock (`autotune.engine.lock`) for the whole probe, taken here
+before the probe starts: while another probe holds it (the command line, a script, or the probe
+processes of a worker that was killed, which hold it until they have exited), the job is
+`waiting`, with the holder and since when, in the store and in this process; `started_at` is
+when it took the device. `finished_at` is when the probe ended, whenever the store records it.
 
 What is true is kept in memory when the database cannot be written (a full disk): the running
 job's trials, and its outcome until a later write succeeds, so answers stay true; the result also
@@ -31,17 +39,22 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 from api.cache import ResultCache
 from api.metrics import Metrics, outcome_label
 from api.spool import Entry, JobSpool
+from autotune.engine import lock
 from autotune.engine.probe import ProbeRequest
 from autotune.errors import AutotuneError
 from autotune.results import ProbeResult, TrialRecord
 from autotune.store import (
     INTERRUPTED,
+    REPEATEDLY_INTERRUPTED,
+    DeviceHolder,
     JobError,
     JobRecord,
+    JobWait,
     Store,
     StoredResult,
     StoreError,
@@ -58,10 +71,22 @@ Runner = Callable[[ProbeRequest, float, Callable[[TrialRecord], None]], ProbeRes
 # Failures that another probe of the same request would repeat; plan queries answer them from
 # the store for a while instead of starting probe after probe (DeviceError included: a service
 # without CUDA access, such as one given NVML only, cannot probe a GPU however often it is asked).
-# Time-dependent ones (a busy GPU, a timeout, a crash) are not remembered.
+# Time-dependent ones (a busy GPU, a timeout, a crash) are not remembered; nor is `Interrupted` (the
+# job's node lost it: asking again runs it here), while a job whose worker stopped each time it ran
+# (`RepeatedlyInterrupted`) is: it may be what stops them.
 DETERMINISTIC = frozenset(
-    {"NothingFitsError", "NotAnOOMError", "ConfigError", "WorkloadError", "PlanError", "DeviceError"}
+    {
+        "NothingFitsError",
+        "NotAnOOMError",
+        "ConfigError",
+        "WorkloadError",
+        "PlanError",
+        "DeviceError",
+        REPEATEDLY_INTERRUPTED,
+    }
 )
+# Failures a client's next question fixes (`GET /v1/plan` asks for the job again itself).
+RETRYABLE = frozenset({INTERRUPTED})
 FAILURE_MEMORY_SECONDS = 300.0
 POLL_SECONDS = 0.5  # how often an idle worker looks for jobs other processes queued
 WATCH_SECONDS = 0.25  # how often waiters learn of jobs another process finished
@@ -110,6 +135,14 @@ class ProbeManager:
         self._lease = lease_seconds
         self._max_queue = max_queue
         self._runner = runner or _default_runner
+
+        def rerun(again: int, failed: int) -> None:  # whichever sweep of this process found them
+            if again:
+                metrics.probes_requeued.inc(again)
+            if failed:
+                metrics.probes.labels(outcome_label(REPEATEDLY_INTERRUPTED)).inc(failed)
+
+        store.on_rerun = rerun
         self._lock = threading.Lock()
         self._mine: dict[str, _Running] = {}  # running here, or finished here and not yet recorded
         self._wakeups = {device: threading.Event() for device in self._devices}
@@ -121,16 +154,17 @@ class ProbeManager:
         self._draining = False
 
     def start(self) -> list[str]:
-        """Fail this node's jobs whose worker is gone (and its queued jobs for devices it no longer
-        has), then start a worker per device. Returns the ids of the jobs found interrupted."""
+        """Queue again this node's jobs whose worker is gone (fail its queued jobs for devices it no
+        longer has), then start a worker per device. Returns the ids of the jobs found interrupted."""
         try:
-            interrupted = self._store.sweep(self.node, self._lease)
-            interrupted += self._store.fail_queued_without_device(self.node, self._devices)
+            interrupted = self._store.sweep(self.node, self._lease)  # counted by `on_rerun`
+            failed = self._store.fail_queued_without_device(self.node, self._devices)
         except StoreError as exc:
             log.warning("could not look for interrupted jobs: %s", exc)
-            interrupted = []
-        if interrupted:
-            self._metrics.probes.labels(outcome_label(INTERRUPTED)).inc(len(interrupted))
+            interrupted, failed = [], []
+        interrupted += failed
+        if failed:
+            self._metrics.probes.labels(outcome_label(INTERRUPTED)).inc(len(failed))
         self._forget_spooled()
         for device in self._devices:
             thread = threading.Thread(target=self._work, args=(device,), name=f"autotune-probes-{device}", daemon=True)
@@ -165,7 +199,8 @@ class ProbeManager:
             remembered=DETERMINISTIC,
             lease_seconds=self._lease,
         )
-        if submitted.created and device in self._wakeups:
+        queued = submitted.job is not None and submitted.job.status == "queued"  # new, or queued again
+        if queued and device in self._wakeups:
             self._wakeups[device].set()
         if submitted.job is not None:
             return Submitted(job=self._truth(submitted.job), created=submitted.created, stored=submitted.stored)
@@ -279,8 +314,9 @@ class ProbeManager:
         return {device: found.get(device, 0) for device in [*self._devices, *found]}
 
     def close(self) -> None:
-        """Stop claiming; fail the job this process is running (interrupted); queued jobs stay
-        queued for the node's other workers or this server's successor."""
+        """Stop claiming; put the job this process is running back in the queue, under its id, for
+        the node's other workers or this server's successor (its probe's processes end with this
+        process, and hold the device's lock until they have); queued jobs stay queued."""
         self._closing.set()
         for wakeup in self._wakeups.values():
             wakeup.set()
@@ -289,12 +325,12 @@ class ProbeManager:
             running = [m for m in self._mine.values() if m.record.status == "running"]
             spooled = [m.spool for m in self._mine.values() if m.spool is not None]
         for mine in running:
-            error = JobError(type=INTERRUPTED, message="interrupted: the server shut down; ask for the probe again")
             try:
-                self._store.fail(mine.record, error, owner=self.owner)
-            except StoreError as exc:
-                log.warning("could not mark job %s interrupted: %s", mine.record.id, exc)
-            self._metrics.probes.labels(outcome_label(INTERRUPTED)).inc()
+                if self._store.requeue(mine.record, self.owner):
+                    log.warning("probe job %s queued again: this server is shutting down", mine.record.id)
+                    self._metrics.probes_requeued.inc()
+            except StoreError as exc:  # its lease expires instead, and a sweep queues it again
+                log.warning("could not queue job %s again: %s", mine.record.id, exc)
         for entry in spooled:  # what this process knew goes with it: the others answer 503, not `running`
             entry.remove()
         # Idle workers stop within a poll; one running a probe cannot be interrupted (it waits on
@@ -339,7 +375,16 @@ class ProbeManager:
         result: ProbeResult | None = None
         try:
             request = ProbeRequest.model_validate(record.request)
-            result = self._runner(request, self._timeout, lambda trial: self._on_trial(mine, trial))
+            # The device's lock, before the probe: `waiting` while another holds it (the probe's
+            # own calls take it again, re-entrant in this thread).
+            with lock.device_lock(
+                request.device,
+                on_wait=lambda wait: self._on_wait(mine, wait),
+                kind="service",
+                name=f"probe {record.id} on node {self.node}",
+            ):
+                self._started(mine)
+                result = self._runner(request, self._timeout, lambda trial: self._on_trial(mine, trial))
         except AutotuneError as exc:
             error = JobError(type=type(exc).__name__, message=str(exc))
         except Exception as exc:  # an engine bug must fail the job, not the worker
@@ -379,10 +424,49 @@ class ProbeManager:
         self._record(mine)
         self._wake(record.id)
 
+    def _on_wait(self, mine: _Running, wait: lock.Wait) -> None:
+        """The job's device is held by another probe (or another has taken it meanwhile): the job
+        is `waiting`, for whom and since when, here at once and in the store when it can be written."""
+        if wait.done:
+            return
+        with self._lock:
+            since = mine.record.waiting.since if mine.record.waiting is not None else now()
+            mine.record.waiting = JobWait(since=since, holder=_holder(wait))
+            waiting, started = mine.record.waiting, mine.record.started_at or now()
+        log.warning("probe job %s %s", mine.record.id, wait.line())
+        try:
+            self._store.wait_state(mine.record.id, self.owner, started_at=started, waiting=waiting)
+        except StoreError as exc:  # the heartbeat says it again
+            log.warning("probe job %s: its wait not recorded: %s", mine.record.id, exc)
+
+    def _started(self, mine: _Running) -> None:
+        """The job holds its device: its probe starts now (`started_at`, unless it never waited)."""
+        with self._lock:
+            if mine.record.waiting is None:
+                return  # took it at once: started when it was claimed
+            mine.record.waiting = None
+            mine.record.started_at = started = now()
+        try:
+            self._store.wait_state(mine.record.id, self.owner, started_at=started, waiting=None)
+        except StoreError as exc:  # the heartbeat says it again
+            log.warning("probe job %s: its start not recorded: %s", mine.record.id, exc)
+
     def _beat(self, record: JobRecord, stop: threading.Event) -> None:
         while not stop.wait(self._lease / 3):
+            with self._lock:
+                mine = self._mine.get(record.id)
+                started = None if mine is None else mine.record.started_at
+                waiting = None if mine is None else mine.record.waiting
             try:
-                if not self._store.heartbeat(record.id, record.node, record.device, self.owner, self._lease):
+                if not self._store.heartbeat(
+                    record.id,
+                    record.node,
+                    record.device,
+                    self.owner,
+                    self._lease,
+                    started_at=started,
+                    waiting=waiting,
+                ):
                     log.warning("probe job %s: this worker lost the lease on %s", record.id, record.device)
             except StoreError as exc:
                 log.warning("probe job %s: heartbeat not recorded: %s", record.id, exc)
@@ -463,3 +547,17 @@ class ProbeManager:
     def _snapshot(mine: _Running) -> JobRecord:
         # Called with the lock held: a copy the caller may read while the worker goes on.
         return mine.record.model_copy(update={"trials": list(mine.trials)})
+
+
+def _holder(wait: lock.Wait) -> DeviceHolder:
+    """Who holds the device, from what its lock file says (`lock.holder`)."""
+    record = wait.record or {}
+    kind = record.get("kind")
+    pid, command, started = record.get("pid"), record.get("command"), record.get("started")
+    return DeviceHolder(
+        kind=kind if kind in lock.KINDS else "unknown",  # type: ignore[arg-type]
+        description=wait.holder,
+        pid=pid if isinstance(pid, int) else None,
+        command=command if isinstance(command, str) else None,
+        since=datetime.fromtimestamp(started, UTC) if isinstance(started, int | float) else None,
+    )

@@ -32,6 +32,7 @@ OUTCOMES: dict[str, str] = {
     "DeviceError": "device",
     "StoreError": "store",
     "Interrupted": "interrupted",
+    "RepeatedlyInterrupted": "interrupted",
 }
 
 
@@ -50,6 +51,12 @@ class Metrics:
         )
         self.probes_started = Counter(
             "autotune_probes_started", "Probe jobs started, by device.", ["device"], registry=self.registry
+        )
+        self.probes_requeued = Counter(
+            "autotune_probes_requeued",
+            "Probe jobs queued again, under their id, because the worker running them stopped (killed, crashed, "
+            "shut down): each runs again.",
+            registry=self.registry,
         )
         self.probe_seconds = Histogram(
             "autotune_probe_seconds",

@@ -26,7 +26,7 @@ from autotune.plans.mixed import MixedPlan, Mode
 from autotune.plans.plan import Plan, Policy
 from autotune.request import parallel_spec
 from autotune.results import SCHEMA_VERSION, ParallelSpec, ProbeResult, TrialRecord, Verdict
-from autotune.store import JobError, JobStatus
+from autotune.store import JobError, JobWait
 from autotune.units import parse_headroom, parse_size
 from autotune.workloads.registry import NAME_PATTERN
 
@@ -404,20 +404,42 @@ def _inline(field: dict[str, Any], definitions: dict[str, Any]) -> dict[str, Any
     return field
 
 
+ProbeStatus = Literal["queued", "waiting", "running", "succeeded", "failed"]
+
+
 class ProbeView(BaseModel):
-    """A probe job: its status, the trials so far, then the result or the error."""
+    """A probe job: its status, the trials so far, then the result or the error.
+
+    `queued`: no worker has taken it yet (again, after a worker running it stopped: `interruptions`);
+    `waiting`: a worker has taken it and waits for the device, which another probe holds (`waiting`
+    says who and since when); `running`: probing, since `started_at`; `succeeded`, `failed`: ended at
+    `finished_at`, when the probe ended (not when the store recorded it). `waiting` is left out but
+    while it waits, and `interruptions` while it is 0: a job that ran once, undisturbed, reads as it
+    always did."""
 
     id: str | None = Field(description="The job's id; None for a result stored without a job here (published).")
-    status: JobStatus
+    status: ProbeStatus
     workload: str
     device: str
     request_key: str = Field(description="The canonical key of what was asked: identical requests share it.")
     created_at: datetime | None = None
-    started_at: datetime | None = None
-    finished_at: datetime | None = None
+    started_at: datetime | None = Field(default=None, description="When its probe took the device and started.")
+    finished_at: datetime | None = Field(default=None, description="When its probe ended.")
     trials: list[TrialRecord] = Field(default_factory=list)
     result: ProbeResult | None = None
     error: JobError | None = None
+    waiting: JobWait | None = Field(
+        default=None,
+        exclude_if=lambda value: value is None,
+        description="While `waiting` (and only then): since when, and who holds the device (the service, the CLI "
+        "or a script).",
+    )
+    interruptions: int = Field(
+        default=0,
+        exclude_if=lambda value: not value,
+        description="How often the worker running it stopped (killed, crashed, out of memory): each time it was "
+        "queued again under this id and ran again. Left out while 0.",
+    )
 
 
 class PlanView(BaseModel):
@@ -482,15 +504,18 @@ class MixedPlanMissing(BaseModel):
 class PlanPending(BaseModel):
     """`GET /v1/plan` with no stored result yet: the probe that will produce it."""
 
-    status: JobStatus
+    status: ProbeStatus
     detail: str
     probe: ProbeView
 
 
 class PlanFailed(BaseModel):
-    """`GET /v1/plan` when the probe for it failed: what went wrong."""
+    """`GET /v1/plan` when the probe for it failed in a way asking again would not fix (its
+    workload, its configuration, nothing fits...): what went wrong. A probe whose worker stopped is
+    run again instead, and one its node lost is asked for again by the service itself."""
 
     detail: str
+    code: Literal["probe_failed"] = "probe_failed"
     probe: ProbeView
 
 

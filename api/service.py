@@ -134,7 +134,7 @@ class Service:
         self._refresher.start()
         log.info(
             "autotune service: node %s, %d workload(s), devices %s, store %s, %d stored result key(s), "
-            "%d interrupted job(s) marked failed",
+            "%d interrupted job(s) queued again or failed",
             settings.node,
             len(self.registry),
             ", ".join(self.devices.ids()),
@@ -164,7 +164,7 @@ class Service:
 
     def _refresh(self) -> None:
         # Two clocks in one thread: every lease/3 this node says it is alive (other nodes leave the
-        # jobs queued for it alone) and fails running jobs anywhere whose worker went silent
+        # jobs queued for it alone) and queues again running jobs anywhere whose worker went silent
         # (nobody else may look at a dead node's jobs); every AUTOTUNE_CACHE_TTL it learns of
         # results stored elsewhere that replace cached ones or answer new keys.
         lease, ttl = self.settings.lease_seconds, self.settings.cache_ttl
@@ -174,12 +174,9 @@ class Service:
                 if self.check_writable() is None:
                     last_seen = time.monotonic()
                 try:
-                    interrupted = self.store.sweep_stale(lease)
+                    self.store.sweep_stale(lease)  # the jobs it queues again are counted (`on_rerun`)
                 except StoreError as exc:
                     log.warning("could not look for stale probe jobs: %s", exc)
-                else:
-                    if interrupted:
-                        self.metrics.probes.labels("interrupted").inc(len(interrupted))
             if time.monotonic() - last_refresh >= ttl:
                 last_refresh = time.monotonic()
                 self._learn_results()
@@ -306,18 +303,22 @@ class Service:
         if result is None and record.status == "succeeded" and record.fingerprint:
             stored = self.store.get_result(record.fingerprint)
             result = stored.result if stored else None
+        waiting = record.waiting if record.status == "running" else None
         return ProbeView(
             id=record.id,
-            status=record.status,
+            # Claimed, but another probe holds the device: it has not started.
+            status="waiting" if waiting is not None else record.status,
             workload=record.workload,
             device=record.device,
             request_key=record.request_key,
             created_at=record.created_at,
-            started_at=record.started_at,
+            started_at=None if waiting is not None or record.status == "queued" else record.started_at,
             finished_at=record.finished_at,
             trials=record.trials,
             result=result,
             error=record.error,
+            waiting=waiting,
+            interruptions=record.interruptions,
         )
 
     @staticmethod

@@ -12,6 +12,7 @@ import asyncio
 import math
 import os
 import re
+import time
 from collections import OrderedDict
 from typing import Annotated, Any
 
@@ -22,6 +23,7 @@ from pydantic import ValidationError
 
 from api.devices import snapshot
 from api.errors import ModelMismatchError, NotFoundError, ProbeNotFinishedError
+from api.jobs import RETRYABLE
 from api.mixed import answer as answer_mixed
 from api.schemas import (
     FINGERPRINT_PATTERN,
@@ -201,7 +203,8 @@ def _resolve_query(svc: Service, query: PlanQuery | RunFailureReport) -> Resolve
         },
         409: {
             "model": PlanFailed,
-            "description": "The probe for this plan failed; the error says why.",
+            "description": "The probe for this plan failed in a way asking again would not fix; the error says why. "
+            "(A probe whose worker stopped is run again, and one its node lost is asked for again: neither is a 409.)",
             "headers": _LOCATION,
         },
         **_errors(404, 422, 429, 503, e404=_NO_WORKLOAD_OR_DEVICE),
@@ -226,19 +229,33 @@ async def get_plan(request: Request) -> Response:
         return Response(
             svc.plan_body(resolved, cached, effective_batch, world_size, policy), media_type="application/json"
         )
-    assert submitted is not None
-    if submitted.job is not None and submitted.job.status in ("queued", "running") and wait > 0:
-        await svc.jobs.wait(submitted.job.id, wait)
-        cached = await asyncio.to_thread(svc.lookup, resolved.digest)
-        if cached is not None:
-            body = svc.plan_body(resolved, cached, effective_batch, world_size, policy)
-            return Response(body, media_type="application/json")
-        serving(request.app)  # woken because the server is shutting down: 503 draining, not 202
-    assert submitted.job is not None
-    job_id = submitted.job.id
-    view = await asyncio.to_thread(svc.job_view, job_id)
-    if view is None:  # not expected: the job was just created or just failed
-        raise NotFoundError(f"the probe for workload {query.workload!r} vanished: ask again")
+    until = time.monotonic() + wait
+    for successor in range(3):
+        assert submitted is not None and submitted.job is not None
+        job_id = submitted.job.id
+        remaining = until - time.monotonic()
+        if submitted.job.status in ("queued", "running") and remaining > 0:
+            await svc.jobs.wait(job_id, remaining)
+            cached = await asyncio.to_thread(svc.lookup, resolved.digest)
+            if cached is not None:
+                body = svc.plan_body(resolved, cached, effective_batch, world_size, policy)
+                return Response(body, media_type="application/json")
+            serving(request.app)  # woken because the server is shutting down: 503 draining, not 202
+        found = await asyncio.to_thread(svc.job_view, job_id)
+        if found is None:  # not expected: the job was just created or just failed
+            raise NotFoundError(f"the probe for workload {query.workload!r} vanished: ask again")
+        view = found
+        if view.status != "failed" or view.error is None or view.error.type not in RETRYABLE or successor == 2:
+            break
+        # Its node lost it before it could run (not the probe's fault): ask for it again, as the
+        # client would; a new job here, or the one another request made meanwhile.
+        submitted = await asyncio.to_thread(svc.submit, resolved, use_stored=True, remember=True)
+        if submitted.stored is not None:
+            cached = svc.results.get(resolved.digest)
+            assert cached is not None
+            return Response(
+                svc.plan_body(resolved, cached, effective_batch, world_size, policy), media_type="application/json"
+            )
     location = {"Location": f"/v1/probes/{view.id}"}
     if view.status == "succeeded" and view.result is not None:
         # Finished on another worker of this node, which the store does not say yet: its spool does.

@@ -20,9 +20,15 @@ on that device. A service is *degraded* when it answers 503 with one of its own 
 (`store_unavailable`, `starting`, `draining`, `device_unavailable`): it is up, and a probe it runs
 for this query goes on, so the client keeps asking, honouring `Retry-After`, with backoff, up to
 its own `timeout`, and never probes beside it. A connection refused right after the service said
-`draining` (a restart) counts as degraded for RESTART_GRACE seconds. A probe that is still running
-when `timeout` passes is not a reason to fall back either: a second probe on the same GPU would
-measure a card the first one is using.
+`draining`, or while it was running a probe for this client (it answered 202: a worker killed or
+restarted, whose job the service runs again), counts as degraded for RESTART_GRACE seconds. A probe
+that is still running when `timeout` passes is not a reason to fall back either: a second probe on
+the same GPU would measure a card the first one is using.
+
+**Failed or interrupted.** A probe whose worker stopped is run again by the service under the same
+id, so waiting goes on; one the service reports `Interrupted` (its node lost it before it ran, or a
+service older than this client) is asked for again within `timeout`, since asking again runs it.
+Only a failure asking again would not fix (409, `"code": "probe_failed"`) raises its `ProbeError`.
 
 A device the service's node does not have is a refusal, not an outage: the service answers it
 with `"code": "no_such_device"` (a 404), and the client raises `NoSuchDeviceError` at once, with
@@ -56,7 +62,9 @@ MAX_WAIT = 30.0  # seconds one plan query asks the service to block (the service
 NO_SUCH_DEVICE = "no_such_device"  # the error code of a device the service's node does not have
 # 503 codes of our service: it is up and says so; what it runs goes on, so a client waits.
 DEGRADED = frozenset({"store_unavailable", "starting", "draining", "device_unavailable"})
-RESTART_GRACE = 60.0  # seconds after "draining" during which a refused connection is a restart
+RESTART_GRACE = 60.0  # seconds after "draining" (or a pending probe) during which a refused connection is a restart
+# Probe failures that asking again fixes: the service's job was lost with its node or its worker.
+RETRYABLE = frozenset({"Interrupted"})
 
 
 def _check_confirmed(workload: str, verdict: Verdict, allow_unconfirmed: bool) -> None:
@@ -106,6 +114,7 @@ class AutotuneClient:
         self._sleep = sleep
         self._clock = clock
         self._drained_at: float | None = None  # when the service last said it was shutting down
+        self._pending_at: float | None = None  # when the service last said it was probing for us (202)
         self.last_source: Literal["service", "local"] | None = None
 
     def __enter__(self) -> AutotuneClient:
@@ -210,19 +219,23 @@ class AutotuneClient:
         deadline = self._clock() + timeout
         answer = self._json(self._send("POST", "/v1/probes", json=body, deadline=deadline))
         delay = self._backoff
-        while answer.get("status") in ("queued", "running"):
-            remaining = deadline - self._clock()
-            if remaining <= 0:
-                raise errors.ServiceUnavailableError(
-                    f"probe {answer.get('id')} is still {answer.get('status')} after {timeout:g} s: "
-                    "ask again later with a longer timeout"
-                )
-            self._sleep(min(delay, remaining))
-            delay = min(delay * 2, self._max_backoff)
-            answer = self._json(self._send("GET", f"/v1/probes/{answer['id']}", deadline=deadline))
-        if answer.get("status") == "failed":
-            raise _probe_error(answer)
-        return ProbeResult.model_validate(answer["result"])
+        while True:
+            while answer.get("status") in ("queued", "waiting", "running"):
+                self._pending_at = self._clock()
+                remaining = deadline - self._clock()
+                if remaining <= 0:
+                    raise errors.ServiceUnavailableError(
+                        f"probe {answer.get('id')} is still {answer.get('status')} after {timeout:g} s: "
+                        "ask again later with a longer timeout"
+                    )
+                self._sleep(min(delay, remaining))
+                delay = min(delay * 2, self._max_backoff)
+                answer = self._json(self._send("GET", f"/v1/probes/{answer['id']}", deadline=deadline))
+            if answer.get("status") != "failed":
+                return ProbeResult.model_validate(answer["result"])
+            if not self._ask_again(answer, deadline):
+                raise _probe_error(answer)
+            answer = self._json(self._send("POST", "/v1/probes", json=body, deadline=deadline))
 
     def plan_mixed(
         self,
@@ -342,9 +355,11 @@ class AutotuneClient:
                 if "verdict" in answer:  # (a service older than the verdict does not say)
                     _check_confirmed(params["workload"], Verdict.model_validate(answer["verdict"]), allow_unconfirmed)
                 return Plan.model_validate(answer["plan"])
-            if response.status_code == 409:
-                raise _probe_error(answer.get("probe") or {}, answer.get("detail"))
             probe = answer.get("probe") or {}
+            if response.status_code == 409 and not self._ask_again(probe, deadline):
+                raise _probe_error(probe, answer.get("detail"))
+            if response.status_code != 409:
+                self._pending_at = self._clock()
             remaining = deadline - self._clock()
             if remaining <= 0:
                 raise errors.ServiceUnavailableError(
@@ -353,6 +368,19 @@ class AutotuneClient:
                 )
             self._sleep(min(delay, remaining))
             delay = min(delay * 2, self._max_backoff)
+
+    def _ask_again(self, probe: dict[str, Any], deadline: float) -> bool:
+        """Whether a failed probe is one asking again fixes (its job was lost with its node or
+        worker: `RETRYABLE`), with time left to ask."""
+        error = probe.get("error") or {}
+        if error.get("type") not in RETRYABLE or self._clock() >= deadline:
+            return False
+        log.warning(
+            "autotune service: probe %s was interrupted (%s): asking for it again",
+            probe.get("id"),
+            error.get("message"),
+        )
+        return True
 
     def _local_plan(
         self,
@@ -470,7 +498,10 @@ class AutotuneClient:
         return self._clock() < deadline
 
     def _restarting(self) -> bool:
-        return self._drained_at is not None and self._clock() - self._drained_at < RESTART_GRACE
+        """A refused connection now is a restart: the service said it was shutting down, or was
+        probing for us, within RESTART_GRACE (a killed worker's job runs again once it is back)."""
+        told = [moment for moment in (self._drained_at, self._pending_at) if moment is not None]
+        return bool(told) and self._clock() - max(told) < RESTART_GRACE
 
     def _pause(self, delay: float, retry_after: float | None, deadline: float | None) -> None:
         seconds = min(max(delay, retry_after or 0.0), max(self._max_backoff, delay))

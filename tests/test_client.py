@@ -241,6 +241,37 @@ def test_a_store_outage_is_waited_for_up_to_the_deadline_and_never_probed_beside
     assert sum(sleeps) == pytest.approx(120)
 
 
+def test_a_lost_worker_is_waited_for_through_cut_connections_409_interrupted_and_503(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker running the probe is killed (issue 38): the long poll's connection is cut, the
+    node's workers restart (refused, then `starting`), an older service says 409 `Interrupted`.
+    The client, told 202 a moment before, waits through all of it and never probes locally."""
+    local = _no_local_probe(monkeypatch)
+    interrupted = {
+        "id": "c" * 32,
+        "status": "failed",
+        "error": {"type": "Interrupted", "message": "interrupted: the worker running it stopped; ask for it again"},
+    }
+    answers: list[Any] = [_pending(), "cut", *["refused"] * 6, _degraded("starting", 1)]
+    answers += [httpx.Response(409, json={"detail": "the probe for this plan failed", "probe": interrupted})]
+    answers += [_pending("queued"), httpx.Response(200, json={"plan": PLAN})]
+    steps = iter(answers)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        answer = next(steps)
+        if answer == "cut":
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+        if answer == "refused":
+            raise httpx.ConnectError("connection refused", request=request)
+        return answer  # type: ignore[no-any-return]
+
+    with _client(handler, retries=1) as client:
+        assert client.plan("tiny", 64, fallback="local", timeout=300).micro_batch == 16
+    assert (local, client.last_source) == ([], "service")
+    assert next(steps, None) is None  # every answer was asked for
+
+
 @pytest.mark.parametrize("code", ["store_unavailable", "starting", "draining", "device_unavailable"])
 def test_a_degraded_service_is_waited_for_until_it_answers(code: str, monkeypatch: pytest.MonkeyPatch) -> None:
     local = _no_local_probe(monkeypatch)

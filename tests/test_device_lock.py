@@ -175,7 +175,7 @@ def test_no_wait_fails_at_once_with_one_line_naming_the_holder(held_elsewhere: i
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
     assert lines[0].startswith("probe failed: the CPU budget device is busy: ")
-    assert f"pid {held_elsewhere} (python -c " in lines[0] and "--no-wait" in lines[0]
+    assert f"pid {held_elsewhere} (a script: python -c " in lines[0] and "--no-wait" in lines[0]
     assert seconds < 60  # the holder never lets go: an answer at all is one that did not wait
 
 
@@ -337,7 +337,9 @@ def test_a_service_a_cli_and_a_client_probe_of_one_device_take_turns(tmp_path: P
     assert answer["source"] == "local" and answer["plan"]["micro_batch"] >= 1
     # Each waited, told who held the device: the service first.
     said = cli_err.read_text()
-    assert f"waiting for the CPU budget device: pid {server.process.pid} (" in said, said
+    assert (
+        f"waiting for the CPU budget device: pid {server.process.pid} (the autotune service: probe {probe_id} " in said
+    ), said
     assert "Traceback" not in said + client_err.read_text()
 
     # The process listings: never two owners' probe processes at once, none left orphaned.
@@ -357,3 +359,86 @@ def test_a_service_a_cli_and_a_client_probe_of_one_device_take_turns(tmp_path: P
     assert set(spans) == {"service", "cli", "client"}
     ordered = sorted(spans.values())
     assert all(earlier[1] < later[0] for earlier, later in itertools.pairwise(ordered)), spans
+
+
+# The lock is free when the device is (issue 38, item 2) ------------------------------------------
+HOLDER = """\
+import subprocess, sys
+from autotune.engine import lock, zygote
+
+marker, linger = sys.argv[1], sys.argv[2]
+with lock.device_lock("cpu"):
+    args = ["tests.lock_child", marker, linger]
+    zygote.spawn(args, stdin=subprocess.DEVNULL, stdout=None, stderr=None)  # a new interpreter, as on a GPU
+    with zygote.serving():
+        zygote.spawn(args, stdin=subprocess.DEVNULL, stdout=None, stderr=None)  # forked by the probe's server
+        print("ready", flush=True)
+        sys.stdin.read()
+"""
+
+
+def test_after_kill_9_of_a_probe_the_lock_waits_for_its_processes_even_for_an_idle_fork_server(
+    tmp_path: Path, locks: Path
+) -> None:
+    """A probe's processes outlive its killed caller for a moment (here a second: they die by their
+    parent-death signal 50-300 ms later, a CUDA context takes longer): the lock stays taken until
+    the last has exited, for a waiter whose idle fork server would fork its first run at once."""
+    marker = tmp_path / "marker"
+    marker.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(marker), "1.0"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=_env(),
+        cwd=ROOT,
+    )
+    try:
+        # Meanwhile this process gets a fork server, idle once its first run has ended.
+        with zygote.serving():
+            warm_up, server = zygote.spawn(["tests.lock_child", str(marker), "0"], stdin=None, stdout=None, stderr=None)
+            assert warm_up.wait(120) == 0
+        assert holder.stdout is not None and holder.stdout.readline() == b"ready\n"
+        listed = wait_for(lambda: [p for p in marker.glob("child-*")][1:] and list(marker.glob("child-*")), 60, "runs")
+        children = [int(p.name.removeprefix("child-")) for p in listed]
+        assert len(children) == 2 and all(alive(pid) for pid in children), children
+        holder.kill()
+        with lock.device_lock("cpu"):
+            taken = time.time()
+            left = [pid for pid in children if alive(pid)]
+            with zygote.serving():  # the idle server forks this probe's first run at once
+                run, forked_by = zygote.spawn(
+                    ["tests.lock_child", str(marker), "0"], stdin=None, stdout=None, stderr=None
+                )
+                assert run.wait(60) == 0
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+        holder.wait(30)
+        for stream in (holder.stdin, holder.stdout):
+            assert stream is not None
+            stream.close()
+        zygote.close_idle()
+    assert forked_by == server  # the server kept idle between this process's probes
+    assert not left, f"the lock was taken while {left} of the killed probe still ran"
+    # The new interpreter lingers its second; the forked run too, unless its server, seeing its
+    # caller gone, killed it first.
+    ended = [float(p.read_text()) for p in marker.glob("ended-*")]
+    assert ended and taken >= max(ended), (taken, ended)
+    print(f"lock taken {taken - max(ended):.3f} s after the killed probe's last process ended")
+
+
+def test_a_probe_that_lets_go_before_its_run_has_ended_leaves_the_device_to_it(tmp_path: Path, locks: Path) -> None:
+    """An interrupt can cut short the wait for a probe's run: the probe lets go of the lock while
+    its run still ends. The lock stays the run's until it has exited."""
+    marker = tmp_path / "marker"
+    marker.mkdir()
+    with lock.device_lock("cpu"):
+        run, _ = zygote.spawn(["tests.lock_child", str(marker), "0.5", "now"], stdin=None, stdout=None, stderr=None)
+        wait_for(lambda: list(marker.glob("child-*")), 60, "the run")
+    try:
+        with pytest.raises(DeviceBusyError, match=f"pid {os.getpid()} "), lock.device_lock("cpu", wait=False):
+            pass  # named: this process's probe, whose run holds it
+    finally:
+        assert run.wait(60) == 0
+    with lock.device_lock("cpu", wait=False) as key:
+        assert (lock.holder(key) or {}).get("pid") == os.getpid()

@@ -28,7 +28,7 @@ from api.metrics import Metrics
 from api.spool import JobSpool
 from autotune.engine.probe import ProbeRequest
 from autotune.results import ProbeResult, TrialRecord
-from autotune.store import Store, StoreError
+from autotune.store import Store, StoreError, now
 from tests.serving import children_of, make_result, running_server, wait_for, with_held
 
 
@@ -127,11 +127,17 @@ def test_another_worker_answers_a_finished_probe_from_its_spool(node: Any) -> No
     wait_for(lambda: a.mine(job_id) is not None and a.mine(job_id)[0].status == "succeeded", 30, "A's outcome")  # type: ignore[index]
     assert store.get_job(job_id).status == "running"  # type: ignore[union-attr]  # the store cannot say so
     assert b_reads() == ("succeeded", gate.result)  # B says what A says
+    ended = a.mine(job_id)[0].finished_at  # type: ignore[index]
 
+    room = now()
     store.full = False  # room again: A records it, and its spool file goes
     wait_for(lambda: store.get_job(job_id).status == "succeeded", 30, "the outcome recorded")  # type: ignore[union-attr]
     wait_for(lambda: spool.read(job_id) is None, 10, "the spool file removed")
     assert b_reads() is None  # the store is the truth again
+    # When the probe ended, not when the store could say so (issue 38: 41-42 s later after an outage).
+    recorded = store.get_job(job_id)
+    assert recorded is not None and ended is not None
+    assert recorded.finished_at == ended < room
 
 
 def test_without_a_spool_file_another_worker_refuses_rather_than_say_running(node: Any) -> None:

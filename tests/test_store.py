@@ -16,7 +16,17 @@ import pytest
 
 from autotune.errors import QueueFullError
 from autotune.results import TrialRecord
-from autotune.store import INTERRUPTED, JobError, JobRecord, Store, StoreError, now, worker_id
+from autotune.store import (
+    INTERRUPTED,
+    MAX_RERUNS,
+    REPEATEDLY_INTERRUPTED,
+    JobError,
+    JobRecord,
+    Store,
+    StoreError,
+    now,
+    worker_id,
+)
 from tests.serving import make_result
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,23 +158,27 @@ def test_one_probe_per_device_whoever_asks_and_the_device_is_free_again_after(st
     assert store.active_jobs("n1") == {"cpu": 1, "cuda:0": 1}
 
 
-def test_a_silent_worker_loses_its_device_and_its_job_fails_as_interrupted(store: Store) -> None:
+def test_a_silent_worker_loses_its_device_and_its_job_runs_again_up_to_a_limit(store: Store) -> None:
     store.submit(_job("a" * 32, key="k1"))
     store.submit(_job("b" * 32, key="k2"))
     job = store.claim("n1", "cpu", "elsewhere:1:x", 0.2)  # a worker on another host
     assert job is not None
     store.add_trial(job.id, 1, _trial(1))
     assert store.claim("n1", "cpu", "owner-2", 30) is None
-    time.sleep(0.3)  # no heartbeat for longer than its lease
+    for run in range(1, MAX_RERUNS + 1):
+        time.sleep(0.3)  # no heartbeat for longer than its lease
+        again = store.claim("n1", "cpu", f"elsewhere:{run + 1}:x", 0.2)  # whose worker goes silent too
+        assert again is not None
+        assert again.id == job.id  # the same job, under its id, first in line again
+        assert (again.status, again.interruptions, again.trials) == ("running", run, [])  # the stopped run's trials go
+    time.sleep(0.3)
     taken = store.claim("n1", "cpu", "owner-2", 0.2)
     assert taken is not None
     assert taken.id == "b" * 32
     dead = store.get_job(job.id)
     assert dead is not None
-    assert dead.status == "failed"
     assert dead.error is not None
-    assert dead.error.type == INTERRUPTED
-    assert len(dead.trials) == 1  # what it reported is kept
+    assert (dead.status, dead.error.type, dead.interruptions) == ("failed", REPEATEDLY_INTERRUPTED, MAX_RERUNS + 1)
 
 
 def test_a_restarting_worker_leaves_a_live_workers_job_alone(store: Store) -> None:
@@ -189,20 +203,35 @@ def test_a_dead_process_on_this_host_loses_its_job_at_once(store: Store) -> None
     assert store.sweep("n1", 3600) == [job.id]  # its lease has an hour left, but its process is gone
     swept = store.get_job(job.id)
     assert swept is not None
-    assert swept.status == "failed"
+    assert (swept.status, swept.owner, swept.interruptions) == ("queued", None, 1)  # for the node's next worker
+
+    # Without a sweep: a live worker of the node looking for work takes it, at once.
+    again = store.claim("n1", "cpu", owner, 3600)
+    assert again is not None
+    taken = store.claim("n1", "cpu", worker_id(), 3600)
+    assert taken is not None
+    assert (taken.id, taken.interruptions) == (job.id, 2)
+    # A sweep that read the dead owner before (PostgreSQL checks an update's conditions again on
+    # the row committed meanwhile) leaves it to its new worker.
+    from autotune.store.store import _rerun
+
+    with store._write() as conn:
+        assert _rerun(conn, [(job.id, owner)], "a stale look") == ([], [])
+    kept = store.get_job(job.id)
+    assert kept is not None
+    assert (kept.status, kept.owner, kept.interruptions) == ("running", taken.owner, 2)
 
 
 def test_a_job_no_one_will_finish_gives_way_to_a_new_one(store: Store) -> None:
-    # Running on another host whose worker went silent: another node asking makes a new job.
+    # Running on another host whose worker went silent: another node asking finds it queued again
+    # for its node's workers.
     store.submit(_job("a" * 32, key="k1", node="n1"))
     assert store.claim("n1", "cpu", "elsewhere:1:x", 0.2) is not None
     time.sleep(0.3)
     again = store.submit(_job("b" * 32, key="k1", node="n2"), lease_seconds=0.2)
-    assert again.created
-    old = store.get_job("a" * 32)
-    assert old is not None
-    assert old.error is not None
-    assert (old.status, old.error.type) == ("failed", INTERRUPTED)
+    assert not again.created
+    assert again.job is not None
+    assert (again.job.id, again.job.status, again.job.node, again.job.interruptions) == ("a" * 32, "queued", "n1", 1)
 
     # Queued for a node no server of which has been seen for three leases.
     store.touch_node("n3")
@@ -424,33 +453,34 @@ CREATE TABLE IF NOT EXISTS trials (
 """
 
 
-def test_a_late_finish_after_a_sweep_stores_the_result_but_leaves_the_job_failed(store: Store) -> None:
+def test_a_late_finish_after_a_sweep_stores_the_result_but_leaves_the_job_to_its_new_worker(store: Store) -> None:
     store.submit(_job("a" * 32, key="k1"))
     late = store.claim("n1", "cpu", "elsewhere:1:x", 0.2)
     assert late is not None
     time.sleep(0.3)
     store.submit(_job("b" * 32, key="k2"))
-    assert store.claim("n1", "cpu", "owner-2", 0.2) is not None  # swept the silent one, took the device
+    rerun = store.claim("n1", "cpu", "owner-2", 0.2)  # swept the silent one, took the device and its job
+    assert rerun is not None
+    assert rerun.id == "a" * 32
     store.finish(late, make_result(fingerprint="1" * 64), "elsewhere:1:x")
     job = store.get_job("a" * 32)
     assert job is not None
-    assert job.status == "failed"  # not flipped back while another probe holds the device
+    assert (job.status, job.owner) == ("running", "owner-2")  # not flipped while another worker runs it
     assert store.result_for_key("k1") is not None
-    assert store.active_jobs("n1") == {"cpu": 1}
+    assert store.active_jobs("n1") == {"cpu": 2}
 
 
-def test_stale_jobs_of_any_node_and_queued_jobs_for_a_missing_device_are_failed(store: Store) -> None:
+def test_stale_jobs_of_any_node_run_again_and_queued_jobs_for_a_missing_device_fail(store: Store) -> None:
     store.submit(_job("a" * 32, key="k1", node="gone"))
     assert store.claim("gone", "cpu", "elsewhere:1:x", 0.1) is not None
     store.submit(_job("b" * 32, key="k2", node="n1", device="cuda:7"))
     time.sleep(0.2)
     assert store.sweep_stale(0.1) == ["a" * 32]  # any server sweeps: the node itself is gone
     assert store.fail_queued_without_device("n1", ["cpu", "cuda:0"]) == ["b" * 32]
-    for job_id in ("a" * 32, "b" * 32):
-        job = store.get_job(job_id)
-        assert job is not None
-        assert job.error is not None
-        assert (job.status, job.error.type) == ("failed", INTERRUPTED)
+    stale, stranded = store.get_job("a" * 32), store.get_job("b" * 32)
+    assert stale is not None and stranded is not None and stranded.error is not None
+    assert (stale.status, stale.interruptions) == ("queued", 1)  # its node's workers run it when back
+    assert (stranded.status, stranded.error.type) == ("failed", INTERRUPTED)
 
 
 def test_lowering_reads_and_writes_the_stored_result_and_marks_the_key_changed(store: Store) -> None:

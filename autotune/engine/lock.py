@@ -7,15 +7,28 @@ probe (`probe_and_confirm`, `probe_workload`, `run_probe`) holds its device's lo
 it, its isolated search and confirmation runs included: `flock` on a file per device identity in
 AUTOTUNE_LOCK_DIR (default /tmp/autotune-UID), `cpu-budget.lock` for the budget device and
 `cuda-<UUID>.lock` for a GPU (read through NVML, so that `cuda:0` under two CUDA_VISIBLE_DEVICES is
-still one card). The kernel releases it when its holder dies, however it dies: a killed probe never
-leaves the device locked.
+still one card). The kernel releases it when its holder and the probe's processes have died,
+however they die: a killed probe never leaves the device locked.
 
 A second probe of the device waits, telling its caller who holds it (the holder writes its pid,
-command and start into the lock file), or fails at once with `DeviceBusyError` when told not to
-wait (`--no-wait`). The lock is re-entrant: within a process for the thread that holds it (the
-service's job calls the engine, `probe_workload` calls `run_probe`), and across processes for the
-holder's descendants, which inherit AUTOTUNE_LOCK_HELD (`inherited_env`, in every child's
-environment): the isolated search's `run_probe` is its parent's probe, not a second one.
+command, start and kind into the lock file: the service with the probe's id, the command line, or
+a script), or fails at once with `DeviceBusyError` when told not to wait (`--no-wait`).
+
+The lock is free only when the device is: the probe's processes hold it with their caller. Every
+child a probe starts (`zygote.spawn`: the isolated search, each confirmation run, forked by the fork
+server or a new interpreter) inherits the lock's descriptor (`held_fds`), and `flock` belongs to
+the open file, not to a process: after kill -9 of the probing process, the lock stays taken until
+the last of its children has exited too (they die by their parent-death signal, 50-300 ms later),
+so a waiter, even one whose idle fork server forks at once, never runs beside them. A probe that
+ends normally has reaped its children before it lets go (`LOCK_UN`); one whose child may still run
+(an interrupt cut its wait short: `note_child`) only closes its copy, leaving the lock to the
+child until it exits. The fork server kept between probes never holds it (it closes its copy as
+soon as it has forked the child it was sent for).
+
+The lock is re-entrant: within a process for the thread that holds it (the service's job calls the
+engine, `probe_workload` calls `run_probe`), and across processes for the holder's descendants,
+which inherit AUTOTUNE_LOCK_HELD (`inherited_env`, in every child's environment): the isolated
+search's `run_probe` is its parent's probe, not a second one.
 """
 
 from __future__ import annotations
@@ -31,7 +44,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from autotune.errors import ConfigError, DeviceBusyError
@@ -51,6 +64,7 @@ class Wait:
     holder: str  # who holds it, in words
     seconds: float  # waited so far
     done: bool = False  # the lock is ours now
+    record: dict[str, object] | None = None  # what the lock file says of the holder (`holder`)
 
     def line(self) -> str:
         if self.done:
@@ -67,6 +81,8 @@ class _Held:
     key: str  # the lock's name: cpu-budget, cuda-<uuid>
     pid: int  # the process that holds the OS lock: this one, or an ancestor
     depth: int = 1
+    fd: int | None = None  # the lock's descriptor, when this process holds the OS lock
+    children: list[int] = field(default_factory=list, compare=False)  # pids given the descriptor
 
 
 _local = threading.local()
@@ -213,6 +229,20 @@ def _command() -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
+KINDS = ("service", "cli", "script")
+
+
+def _kind() -> str:
+    """Who this process is, for a waiter: the command line (`autotune ...`, `python -m autotune.cli`)
+    or a script (anything else: a training job's client, a framework's tuner). The service names
+    itself (`device_lock(kind="service")`)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    module = str(getattr(spec, "name", "") or "")
+    if module == "autotune" or module.startswith(("autotune.cli", "autotune.__main__")):
+        return "cli"
+    return "cli" if os.path.basename(sys.argv[0] if sys.argv else "") == "autotune" else "script"
+
+
 def holder(key: str) -> dict[str, object] | None:
     """What the lock file of `key` says of its holder (pid, command, started, device), or None.
     It names the last holder: whether that one still holds it, only the lock itself says."""
@@ -228,6 +258,19 @@ def holder(key: str) -> dict[str, object] | None:
     return record if isinstance(record, dict) and isinstance(record.get("pid"), int) else None
 
 
+def describe(record: dict[str, object]) -> str:
+    """The holder as a person knows it: "the autotune service: probe 1a2b... on node gpu-7", "the
+    autotune command line: autotune probe mlp ...", "a script: python train.py"."""
+    kind, command, name = record.get("kind"), record.get("command", "?"), record.get("name")
+    if kind == "service":
+        return f"the autotune service: {name or command}"
+    if kind == "cli":
+        return f"the autotune command line: {command}"
+    if kind == "script":
+        return f"a script: {command}"
+    return str(command)  # a lock file written by an autotune that did not say its kind
+
+
 def _describe_holder(record: dict[str, object] | None) -> str:
     if record is None:
         return "another probe holds it (one that did not write its name in the lock file)"
@@ -236,7 +279,12 @@ def _describe_holder(record: dict[str, object] | None) -> str:
     if isinstance(started, int | float):
         clock = time.strftime("%H:%M:%S", time.localtime(started))
         since = f" since {clock} ({max(0.0, time.time() - started):.0f} s)"
-    return f"pid {record['pid']} ({record.get('command', '?')}) has been probing it{since}"
+    pid = record["pid"]
+    if isinstance(pid, int) and not _running(pid):
+        # Killed (its lock file still names it): the lock is held by its probe's processes, which
+        # die with it, a moment later.
+        return f"pid {pid} ({describe(record)}) was probing it{since} and has ended; its probe's processes are ending"
+    return f"pid {pid} ({describe(record)}) has been probing it{since}"
 
 
 def _current_holder(key: str) -> dict[str, object] | None:
@@ -280,6 +328,17 @@ def _is_ancestor(pid: int) -> bool:
     return False
 
 
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a killed process its parent has not reaped yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return _alive(pid)
+    return stat[stat.rindex(")") + 2 :].split()[0] != "Z"
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -288,6 +347,21 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def held_fds() -> list[int]:
+    """The descriptors of the device locks this thread's probe holds itself: every process the
+    probe starts inherits them (`zygote.spawn`), so that the lock stays taken until the last of the
+    probe's processes has exited, however the probe ends (kill -9 of this process included)."""
+    return [h.fd for h in _held() if h.fd is not None and h.pid == os.getpid()]
+
+
+def note_child(pid: int) -> None:
+    """A process this thread's probe started with its locks' descriptors (`held_fds`): when the
+    probe lets go, a lock one of them still holds is left to it, not released under it."""
+    for entry in _held():
+        if entry.fd is not None and entry.pid == os.getpid():
+            entry.children.append(pid)
 
 
 def inherited_env() -> dict[str, str]:
@@ -301,10 +375,19 @@ def inherited_env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def device_lock(device: str | None, *, wait: bool = True, on_wait: WaitCallback | None = None) -> Iterator[str]:
+def device_lock(
+    device: str | None,
+    *,
+    wait: bool = True,
+    on_wait: WaitCallback | None = None,
+    kind: str | None = None,
+    name: str | None = None,
+) -> Iterator[str]:
     """Hold the lock of `device` (a request's: cpu, cuda:N, None for the default) for the block;
     yields its name. Another probe holding it: wait (telling `on_wait`, else the log, who holds it
-    and then that it is free), or, with `wait=False`, raise DeviceBusyError naming the holder."""
+    and then that it is free), or, with `wait=False`, raise DeviceBusyError naming the holder.
+    `kind` (service, cli, script: by default the command line or a script, as this process was
+    started) and `name` (the service's probe) say who holds it to those who wait."""
     spec = _spec(device)
     held = _held()
     again = next((h for h in held if h.spec == spec), None) or _inherited(spec, None)
@@ -317,6 +400,7 @@ def device_lock(device: str | None, *, wait: bool = True, on_wait: WaitCallback 
     path = lock_dir() / f"{key}.lock"
     fd, writable = _open(path)
     _fds.add(fd)
+    entry: _Held | None = None
     try:
         _acquire(fd, spec, key, wait, on_wait)
     except BaseException:
@@ -325,19 +409,33 @@ def device_lock(device: str | None, *, wait: bool = True, on_wait: WaitCallback 
         raise
     try:
         if writable:
-            record = {"pid": os.getpid(), "command": _command(), "started": time.time(), "device": spec}
+            record = {
+                "pid": os.getpid(),
+                "command": _command(),
+                "started": time.time(),
+                "device": spec,
+                "kind": kind if kind in KINDS else _kind(),
+                **({"name": name} if name else {}),
+            }
             with contextlib.suppress(OSError):  # a full disk: the lock holds all the same
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, json.dumps(record).encode(), 0)
-        with _entered(_Held(spec=spec, key=key, pid=os.getpid())):
+        entry = _Held(spec=spec, key=key, pid=os.getpid(), fd=fd)
+        with _entered(entry):
             yield key
     finally:
-        if writable:
+        # The probe's own processes, which inherited the descriptor, are reaped by now (`isolation`
+        # and `confirm` end and wait for theirs before the probe's block ends), unless an interrupt
+        # cut that wait short: a lock one of them still holds stays theirs until it exits (only
+        # closed here). Else LOCK_UN, not only the close: a copy of the descriptor in some other
+        # fork would keep it locked. A holder that dies without coming here leaves it to them too.
+        running = entry is not None and any(_running(pid) for pid in entry.children)
+        if writable and not running:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)  # a waiter reading it now must not name a probe that has ended
-        with contextlib.suppress(OSError):
-            # LOCK_UN, not only the close: a copy of the descriptor in a fork would keep it locked.
-            fcntl.flock(fd, fcntl.LOCK_UN)
+        if not running:
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_UN)
         _fds.discard(fd)
         os.close(fd)
 
@@ -370,7 +468,7 @@ def _acquire(fd: int, spec: str, key: str, wait: bool, on_wait: WaitCallback | N
             pass
         else:
             if told is not None:
-                tell(Wait(device=device, holder=said, seconds=time.monotonic() - started, done=True))
+                tell(Wait(device=device, holder=said, seconds=time.monotonic() - started, done=True, record=None))
             return
         record = _current_holder(key)
         if not wait:
@@ -381,5 +479,5 @@ def _acquire(fd: int, spec: str, key: str, wait: bool, on_wait: WaitCallback | N
         who = (None, None) if record is None else (record.get("pid"), record.get("started"))
         if who != told:  # the first time, and whenever another probe has taken it meanwhile
             told, said = who, _describe_holder(record)
-            tell(Wait(device=device, holder=said, seconds=time.monotonic() - started))
+            tell(Wait(device=device, holder=said, seconds=time.monotonic() - started, record=record))
         time.sleep(POLL_SECONDS)

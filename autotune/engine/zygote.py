@@ -21,8 +21,10 @@ sequential; concurrent probes take servers of their own), exits when its stdin r
 (the caller has gone, however it went) or its socket closes, and kills a child still running then,
 so no run outlives its caller. A killed caller takes the server down at once (PR_SET_PDEATHSIG,
 armed before its imports), and the server its children (the same signal): nothing of a probe is
-left a moment after kill -9 of its process. A server that cannot start, or dies, makes `spawn`
-start a new interpreter instead.
+left a moment after kill -9 of its process. Each child holds the probe's device lock with it (the
+lock's descriptor goes with the request, `lock.held_fds`; the server closes its copy once it has
+forked): the device is free only when the last of them has exited, not when its caller has. A
+server that cannot start, or dies, makes `spawn` start a new interpreter instead.
 
 A server outlives its probe: at the probe's end it waits, idle, for the next probe of this process
 (a service answers job after job), which takes it when it was started for the same environment
@@ -221,13 +223,18 @@ def spawn(
 ) -> tuple[subprocess.Popen[bytes] | Forked, int]:
     """`python -m args...` as a process of its own: forked by the probe's server when one serves
     (in this thread), else a new interpreter, with `env` (default: `child_env()`). Returns the child
-    and the pid of its parent."""
+    and the pid of its parent. The child holds the device lock this thread's probe holds (its
+    descriptor, at the same number): the device is not free before the child has exited."""
+    from autotune.engine import lock
+
     env = child_env() if env is None else env
+    pass_fds = [*pass_fds, *(fd for fd in lock.held_fds() if fd not in pass_fds)]
     claim = _serving_here()
     zygote = None if claim is None else claim.get()
     if zygote is not None:
         forked = zygote.spawn(args, env=env, stdin=stdin, stdout=stdout, stderr=stderr, pass_fds=pass_fds)
         if forked is not None:
+            lock.note_child(forked.pid)
             return forked, zygote.pid
     child = subprocess.Popen(
         [sys.executable, "-m", *args],
@@ -238,6 +245,7 @@ def spawn(
         pass_fds=tuple(pass_fds),
         start_new_session=True,  # Ctrl-C goes to the caller, which ends the child
     )
+    lock.note_child(child.pid)
     return child, os.getpid()
 
 

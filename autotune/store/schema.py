@@ -2,7 +2,8 @@
 
     results        fingerprint -> the ProbeResult document, as the probe reported it
     result_keys    request key -> the fingerprint that answers it (the latest stored wins)
-    jobs           one row per probe job: its request, status, node, owner, heartbeat, outcome
+    jobs           one row per probe job: its request, status, node, owner, heartbeat, outcome,
+                   interruptions (re-runs after a worker stopped), what it waits for
     trials         the trials each job reported so far, in order (live progress, kept after a crash)
     device_leases  (node, device) -> the worker probing it now, until when: one probe per device
     nodes          node -> when a server there last wrote (readiness checks that writes succeed)
@@ -56,6 +57,10 @@ jobs = Table(
     Column("node", String(253), nullable=False, server_default=""),
     Column("owner", String(300)),
     Column("heartbeat", Float),
+    # Schema 3: how often a worker running it stopped (it is re-run, up to a limit), and while a
+    # claimed job waits for its device's lock, who holds it and since when (JSON).
+    Column("interruptions", Integer, nullable=False, server_default="0"),
+    Column("waiting", Text),
     Index("jobs_by_status", "status"),
     Index("jobs_by_key", "request_key"),
     Index("jobs_by_node_device", "node", "device", "status"),

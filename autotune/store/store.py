@@ -9,10 +9,13 @@ one database:
   active jobs makes the last rule hold between processes, and the per-device queue is bounded.
 - `claim` gives a worker the oldest queued job of a (node, device) only while it holds that
   device's lease: one probe per device whoever runs it. The worker renews the lease and the job's
-  heartbeat (`heartbeat`); `sweep` fails a running job whose worker went silent for a lease
-  period, or at once when its worker was on this host and its process is gone.
+  heartbeat (`heartbeat`); `sweep` queues again, under its id, a running job whose worker went
+  silent for a lease period, or at once when its worker was on this host and its process is gone
+  (`MAX_RERUNS` times; then it fails as `REPEATEDLY_INTERRUPTED`). A claimed job says what it
+  waits for (`wait_state`: the holder of its device's lock) until its probe starts.
 - `finish` stores a job's result, maps its request key and releases the lease in one transaction:
-  at every moment a reader finds the job active or its result stored.
+  at every moment a reader finds the job active or its result stored. A job's `finished_at` is
+  when its probe ended, as the worker saw it, not when the store could record it.
 """
 
 from __future__ import annotations
@@ -43,7 +46,13 @@ log = logging.getLogger(__name__)
 
 JobStatus = Literal["queued", "running", "succeeded", "failed"]
 ACTIVE: tuple[JobStatus, ...] = ("queued", "running")
+# A job that could not run to its end for a reason that is not the probe's (its node lost the
+# device or stopped answering while it was queued): asking again starts it afresh.
 INTERRUPTED = "Interrupted"
+# A job whose worker stopped while running it, each time it ran: the probe itself may be what
+# takes its worker down (the host's out-of-memory killer), so it is not run again by itself.
+REPEATEDLY_INTERRUPTED = "RepeatedlyInterrupted"
+MAX_RERUNS = 2  # a job whose worker stops is queued again this many times (it runs at most 3 times)
 QUEUE_RETRY_AFTER = 30  # seconds a client told 429 waits: probes take tens of seconds to minutes
 
 
@@ -52,6 +61,26 @@ class JobError(BaseModel):
 
     type: str
     message: str
+
+
+class DeviceHolder(BaseModel):
+    """Who holds the device's lock a job waits for, as its lock file names it."""
+
+    kind: Literal["service", "cli", "script", "unknown"] = Field(
+        description="The autotune service (one of its workers, or one that stopped: its probe's processes are "
+        "ending), the autotune command line, or a script (a training job's local probe, a framework's tuner)."
+    )
+    description: str = Field(description="In words, as a probe waiting on the command line says it.")
+    pid: int | None = None
+    command: str | None = Field(default=None, description="The holder's command line.")
+    since: datetime | None = Field(default=None, description="When it took the device.")
+
+
+class JobWait(BaseModel):
+    """A claimed job waiting for its device: since when, and who holds it."""
+
+    since: datetime = Field(description="When the job began to wait for the device.")
+    holder: DeviceHolder | None = Field(default=None, description="None: the lock file does not say.")
 
 
 class JobRecord(BaseModel):
@@ -71,6 +100,8 @@ class JobRecord(BaseModel):
     error: JobError | None = None
     trials: list[TrialRecord] = Field(default_factory=list)
     owner: str | None = Field(default=None, description="The worker running it (host:pid:nonce), while it runs.")
+    interruptions: int = Field(default=0, description="How often a worker running it stopped; it ran again each time.")
+    waiting: JobWait | None = Field(default=None, description="Claimed, waiting for its device's lock: for whom.")
 
 
 class StoredResult(BaseModel):
@@ -153,6 +184,8 @@ class Store:
         self.path: Path | None = Path(str(self.url.database)) if self.url.get_backend_name() == "sqlite" else None
         self.backend = self.url.get_backend_name()
         self._engine = engines.create(self.url)
+        # Told how many jobs each sweep of this store queued again and failed (the service's metrics).
+        self.on_rerun: Callable[[int, int], None] = lambda _again, _failed: None
         try:
             if migrate:
                 engines.migrate(self._engine)
@@ -412,13 +445,17 @@ class Store:
         return Submitted(job=job, created=True)
 
     def _abandon(self, conn: Connection, active: Any, lease_seconds: float) -> bool:
-        """Fail an active job nobody will finish, so that a new one can be made: running with a
-        silent worker, or queued on a node none of whose servers has been seen for three leases
-        (only that node's workers could run it). True if it was failed."""
+        """Settle an active job nobody will finish: running with a silent worker, it is queued
+        again under its id for its node's workers (or failed, the last time: `_rerun`); queued on a
+        node none of whose servers has been seen for three leases (only that node's workers could
+        run it), it fails, so that a new one can be made. True if it was failed."""
         moment = time.time()
         if active.status == "running":
-            gone = worker_is_dead(active.owner, active.heartbeat, moment, lease_seconds)
-            why = "the worker running it stopped"
+            if not worker_is_dead(active.owner, active.heartbeat, moment, lease_seconds):
+                return False
+            again, failed = _rerun(conn, [(active.id, active.owner)], "the worker running it stopped")
+            self.on_rerun(len(again), len(failed))
+            return bool(failed)
         else:
             seen = conn.execute(select(nodes.c.seen_at).where(nodes.c.node == active.node)).scalar()
             gone = seen is not None and seen < moment - 3 * lease_seconds
@@ -454,8 +491,9 @@ class Store:
     def claim(self, node: str, device: str, owner: str, lease_seconds: float) -> JobRecord | None:
         """The oldest queued job of (node, device), now running for `owner`, if `owner` can take
         the device's lease (free, expired, held by a dead process, or its own) and no job of the
-        device is still running. Else None."""
-        if not self._has_queued(node, device):
+        device is still running. Else None. A running job of the device whose worker is a dead
+        process of this host is queued again first (`_sweep`): it is the one claimed then."""
+        if not self._has_work(node, device):
             return None  # the common idle case: a read, no write
         with self._write() as conn:
             moment = time.time()  # after the write lock: a wait for it must not age the lease
@@ -511,24 +549,38 @@ class Store:
             started = conn.execute(
                 update(jobs)
                 .where(jobs.c.id == job_id, jobs.c.status == "queued")
-                .values(status="running", started_at=now().isoformat(), owner=owner, heartbeat=moment)
+                .values(status="running", started_at=now().isoformat(), owner=owner, heartbeat=moment, waiting=None)
             )
             if started.rowcount != 1:
                 self._release(conn, node, device, owner)
                 return None
             return self._job(conn, job_id)
 
-    def _has_queued(self, node: str, device: str) -> bool:
+    def _has_work(self, node: str, device: str) -> bool:
+        """A queued job of (node, device), or a running one whose worker is a dead process of this
+        host (kill -9 of a worker: it runs again at once, not after a lease). One read."""
         with self._read() as conn:
-            return (
-                conn.execute(
-                    select(jobs.c.id).where(jobs.c.node == node, jobs.c.device == device, jobs.c.status == "queued")
-                ).first()
-                is not None
-            )
+            rows = conn.execute(
+                select(jobs.c.status, jobs.c.owner).where(
+                    jobs.c.node == node, jobs.c.device == device, jobs.c.status.in_(ACTIVE)
+                )
+            ).all()
+        return any(row.status == "queued" or owner_is_gone(row.owner) for row in rows)
 
-    def heartbeat(self, job_id: str, node: str, device: str, owner: str, lease_seconds: float) -> bool:
-        """Renew the device lease and the job's heartbeat; False if this owner lost the lease."""
+    def heartbeat(
+        self,
+        job_id: str,
+        node: str,
+        device: str,
+        owner: str,
+        lease_seconds: float,
+        *,
+        started_at: datetime | None = None,
+        waiting: JobWait | None = None,
+    ) -> bool:
+        """Renew the device lease and the job's heartbeat (with `started_at`, its start and what it
+        waits for as its worker knows them: a `wait_state` write that failed is made good here);
+        False if this owner lost the lease."""
         with self._write() as conn:
             moment = time.time()
             # Lease row, then job row: the order finish and fail take them in too (no deadlock).
@@ -537,8 +589,40 @@ class Store:
                 .where(device_leases.c.node == node, device_leases.c.device == device, device_leases.c.owner == owner)
                 .values(expires=moment + lease_seconds)
             ).rowcount
-            conn.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.owner == owner).values(heartbeat=moment))
+            values: dict[str, Any] = {"heartbeat": moment}
+            if started_at is not None:
+                values.update(started_at=started_at.isoformat(), waiting=_wait_json(waiting))
+            conn.execute(
+                update(jobs)
+                .where(jobs.c.id == job_id, jobs.c.owner == owner, jobs.c.status == "running")
+                .values(**values)
+            )
         return kept == 1
+
+    def wait_state(self, job_id: str, owner: str, *, started_at: datetime, waiting: JobWait | None) -> None:
+        """A claimed job of `owner` waits for its device (`waiting`), or its probe has started
+        (None, at `started_at`)."""
+        with self._write() as conn:
+            conn.execute(
+                update(jobs)
+                .where(jobs.c.id == job_id, jobs.c.owner == owner, jobs.c.status == "running")
+                .values(started_at=started_at.isoformat(), waiting=_wait_json(waiting))
+            )
+
+    def requeue(self, job: JobRecord, owner: str) -> bool:
+        """A job this owner runs goes back to the queue under its id (its server is shutting down:
+        the node's other workers, or its successor, run it); its device is released. Not counted as
+        an interruption. False if it was not this owner's running job."""
+        with self._write() as conn:
+            self._release(conn, job.node, job.device, owner)
+            back = conn.execute(
+                update(jobs)
+                .where(jobs.c.id == job.id, jobs.c.status == "running", jobs.c.owner == owner)
+                .values(**_QUEUED_AGAIN)
+            ).rowcount
+            if back:
+                conn.execute(delete(trials).where(trials.c.job_id == job.id))
+        return bool(back)
 
     def finish(
         self, job: JobRecord, result: ProbeResult, owner: str, trials_done: list[TrialRecord] | None = None
@@ -546,13 +630,19 @@ class Store:
         """Store the job's result, mark it succeeded (if it is still this owner's running job: a
         sweep may have failed it) and release its device, in one transaction."""
         stored_at = now()
+        finished_at = job.finished_at or stored_at  # the probe's end, which may be long before it is recorded
         with self._write() as conn:
             self._release(conn, job.node, job.device, owner)
             self._put(conn, result, job.request_key, "probe", stored_at)
             mine = conn.execute(
                 update(jobs)
                 .where(jobs.c.id == job.id, jobs.c.status == "running", jobs.c.owner == owner)
-                .values(status="succeeded", finished_at=stored_at.isoformat(), fingerprint=result.fingerprint)
+                .values(
+                    status="succeeded",
+                    finished_at=finished_at.isoformat(),
+                    fingerprint=result.fingerprint,
+                    waiting=None,
+                )
             ).rowcount
             if mine != 1:
                 log.warning("probe job %s finished after it was failed as interrupted: result stored only", job.id)
@@ -580,6 +670,7 @@ class Store:
                     finished_at=(finished_at or now()).isoformat(),
                     error_type=error.type,
                     error_message=error.message,
+                    waiting=None,
                 )
             )
 
@@ -592,8 +683,8 @@ class Store:
         )
 
     def sweep_stale(self, lease_seconds: float) -> list[str]:
-        """Fail running jobs on any node whose heartbeat is older than a lease (a whole node may be
-        gone, and nobody else would look at its jobs); their ids."""
+        """Queue again (or fail, `_rerun`) running jobs on any node whose heartbeat is older than a
+        lease (a whole node may be gone, and nobody else would look at its jobs); their ids."""
         moment = time.time()
         with self._write() as conn:
             rows = conn.execute(
@@ -601,10 +692,11 @@ class Store:
                     jobs.c.status == "running", jobs.c.heartbeat < moment - lease_seconds
                 )
             ).all()
-            dead = [str(r.id) for r in rows if worker_is_dead(r.owner, r.heartbeat, moment, lease_seconds)]
+            dead = [(str(r.id), r.owner) for r in rows if worker_is_dead(r.owner, r.heartbeat, moment, lease_seconds)]
             if dead:
-                _interrupt(conn, dead, "the worker running it stopped (no heartbeat for a lease period)")
-        return dead
+                again, failed = _rerun(conn, dead, "the worker running it stopped (no heartbeat for a lease period)")
+                self.on_rerun(len(again), len(failed))
+        return [job_id for job_id, _ in dead]
 
     def fail_queued_without_device(self, node: str, devices: Sequence[str]) -> list[str]:
         """Fail the queued jobs of `node` for devices it no longer has; their ids."""
@@ -622,7 +714,7 @@ class Store:
         return gone
 
     def sweep(self, node: str, lease_seconds: float) -> list[str]:
-        """Fail the running jobs of `node` whose worker is gone; their ids."""
+        """Queue again (or fail, `_rerun`) the running jobs of `node` whose worker is gone; their ids."""
         with self._write() as conn:
             return self._sweep(conn, node, None, lease_seconds, time.time())
 
@@ -631,11 +723,11 @@ class Store:
         if device is not None:
             where.append(jobs.c.device == device)
         rows = conn.execute(select(jobs.c.id, jobs.c.owner, jobs.c.heartbeat).where(and_(*where))).all()
-        dead = [row.id for row in rows if worker_is_dead(row.owner, row.heartbeat, moment, lease_seconds)]
+        dead = [(str(r.id), r.owner) for r in rows if worker_is_dead(r.owner, r.heartbeat, moment, lease_seconds)]
         if dead:
-            _interrupt(conn, dead, "the server stopped while this probe was running")
-            log.warning("marked %d interrupted probe job(s) failed", len(dead))
-        return dead
+            again, failed = _rerun(conn, dead, "the worker running it stopped")
+            self.on_rerun(len(again), len(failed))
+        return [job_id for job_id, _ in dead]
 
     def add_trial(self, job_id: str, seq: int, trial: TrialRecord) -> None:
         with self._write() as conn:
@@ -692,7 +784,66 @@ class Store:
             error=JobError(type=row.error_type, message=row.error_message or "") if row.error_type else None,
             trials=[TrialRecord.model_validate_json(d) for (d,) in documents],
             owner=row.owner,
+            interruptions=int(row.interruptions or 0),
+            waiting=_wait_from(row.waiting),
         )
+
+
+_QUEUED_AGAIN: dict[str, Any] = {
+    "status": "queued",
+    "owner": None,
+    "heartbeat": None,
+    "started_at": None,
+    "waiting": None,
+}
+
+
+def _rerun(conn: Connection, dead: list[tuple[str, str | None]], why: str) -> tuple[list[str], list[str]]:
+    """Running jobs whose worker (the owner, as read) stopped: each is queued again under its id
+    (its waiters go on waiting; the trials of the run that stopped go), or, the (MAX_RERUNS + 1)th
+    time, failed as REPEATEDLY_INTERRUPTED. Only while that owner still has it: PostgreSQL checks an
+    update's conditions again on the row as committed meanwhile, and another sweep may have queued
+    it and a live worker claimed it since. Returns (queued again, failed)."""
+    again: list[str] = []
+    last: list[str] = []
+    for job_id, owner in dead:
+        still = [jobs.c.id == job_id, jobs.c.status == "running", jobs.c.owner == owner]
+        count = conn.execute(select(jobs.c.interruptions).where(*still)).scalar()
+        if count is None:
+            continue  # no longer that owner's
+        if int(count) < MAX_RERUNS:
+            values: dict[str, Any] = {**_QUEUED_AGAIN}
+        else:
+            values = {
+                "status": "failed",
+                "finished_at": now().isoformat(),
+                "error_type": REPEATEDLY_INTERRUPTED,
+                "error_message": f"interrupted: {why}, each of the {MAX_RERUNS + 1} times it ran: the probe may be "
+                "what stops its worker (the host's out-of-memory killer, a crash); see the server's log, then ask for "
+                "it again (POST /v1/probes)",
+                "waiting": None,
+            }
+        if conn.execute(update(jobs).where(*still).values(**values, interruptions=jobs.c.interruptions + 1)).rowcount:
+            (again if values["status"] == "queued" else last).append(job_id)
+    if again:
+        conn.execute(delete(trials).where(trials.c.job_id.in_(again)))
+        log.warning("probe job(s) %s queued again: %s", ", ".join(again), why)
+    if last:
+        log.warning("probe job(s) %s failed: %s, %d times", ", ".join(last), why, MAX_RERUNS + 1)
+    return again, last
+
+
+def _wait_json(waiting: JobWait | None) -> str | None:
+    return None if waiting is None else waiting.model_dump_json()
+
+
+def _wait_from(text: str | None) -> JobWait | None:
+    if not text:
+        return None
+    try:
+        return JobWait.model_validate_json(text)
+    except ValidationError:
+        return None
 
 
 def _interrupt(conn: Connection, job_ids: list[str], why: str) -> None:
