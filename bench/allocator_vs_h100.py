@@ -14,12 +14,15 @@ given the card's total memory (which only expandable segments read: a page mappe
 Last, it probes at each record's limit under the model (`run_probe`: today's search, settle rule
 included, no fresh-process confirmation) and sets the answers beside the H100's.
 
-Each replay and probe runs twice: with the CPU's trace alone, and with the H100's cuBLAS workspaces
-added (`--workspaces`, default two of 32 MiB: cuBLAS's workspace on Hopper is 32 MiB per handle and
-stream, and PyTorch has a handle per thread that runs matmuls, forward's and autograd's; the records'
-trials allocated 65-73 MiB more than the CPU's at every size). They stand in the model as two
-buffers allocated after its parameters and held through every trial, as the H100's stayed allocated
-from the first trial's matmuls on (autotune 0b18d82 did not clear them between trials).
+Each replay and probe runs three times: with the CPU's trace alone; with the H100's cuBLAS workspaces
+added by hand (`--workspaces`, default two of 32 MiB: cuBLAS's workspace on Hopper is 32 MiB per handle
+and stream, and PyTorch has a handle per thread that runs matmuls, forward's and autograd's; the
+records' trials allocated 65-73 MiB more than the CPU's at every size), as two buffers allocated
+after its parameters and held through every trial, as the H100's stayed allocated from the first
+trial's matmuls on (autotune 0b18d82 did not clear them between trials); and through the H100's card
+profile (`card="h100"`, autotune.devices.cards: the workspaces allocated at the forward's and the
+backward's first matmul, the card's fraction cap, the memory outside PyTorch), where the replay keeps
+the workspaces between trials as 0b18d82 did and the probe clears them as today's CUDA device does.
 
 A record whose limit is above AUTOTUNE_MAX_CPU_MEMORY (8 GiB by default; the whole card's 75 GiB)
 is listed but not run: the budget device holds its tensors in host RAM, and those trials' peaks
@@ -140,8 +143,9 @@ def workload_of(record: dict[str, Any], workspaces: tuple[int, ...]) -> Any:
     return dataclasses.replace(workload, build_model=build_model)
 
 
-def replay(record: dict[str, Any], workspaces: tuple[int, ...]) -> dict[str, Any]:
-    """Run the record's trials, in its order, on one budget device with the allocator model."""
+def replay(record: dict[str, Any], workspaces: tuple[int, ...], card: str | None = None) -> dict[str, Any]:
+    """Run the record's trials, in its order, on one budget device with the allocator model (standing
+    for `card` when given)."""
     from autotune.devices.allocator import AllocatorConfig, CachingAllocatorModel
     from autotune.devices.budget import BudgetDevice
     from autotune.engine.trial import TrialRunner
@@ -156,12 +160,18 @@ def replay(record: dict[str, Any], workspaces: tuple[int, ...]) -> dict[str, Any
         def settled(self, loop: LoopShape) -> bool:
             return self.steps_run >= loop.steps
 
+        def recover(self) -> None:
+            kept = dict(self.device._counter.workspaces)  # type: ignore[attr-defined]
+            super().recover()
+            self.device._counter.workspaces.update(kept)  # type: ignore[attr-defined]
+
     started = time.perf_counter()
     limit, config = record["limit_bytes"], record["allocator_config"]
-    device = BudgetDevice(limit, limit, allocator="cuda", allocator_config=config)
-    # The card's memory, as the H100's allocator had it (only expandable segments read it).
-    model = CachingAllocatorModel(limit, AllocatorConfig.parse(config), total_bytes=record["total_bytes"])
-    device._counter.allocator = model
+    device = BudgetDevice(limit, limit, allocator="cuda", allocator_config=config, card=card)
+    if card is None:
+        # The card's memory, as the H100's allocator had it (only expandable segments read it).
+        model = CachingAllocatorModel(limit, AllocatorConfig.parse(config), total_bytes=record["total_bytes"])
+        device._counter.allocator = model
     runner = RecordsRunner(workload_of(record, workspaces), device, steps=record["steps"])
     rows = []
     for h100 in record["trials"]:
@@ -171,10 +181,15 @@ def replay(record: dict[str, Any], workspaces: tuple[int, ...]) -> dict[str, Any
         row["steps"] = trial.steps
         row["seconds"] = round(trial.seconds, 2)
         rows.append(row)
-    return {"workspaces_bytes": list(workspaces), "trials": rows, "seconds": round(time.perf_counter() - started, 1)}
+    return {
+        "workspaces_bytes": list(workspaces),
+        "card": card,
+        "trials": rows,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
 
 
-def probe(record: dict[str, Any], workspaces: tuple[int, ...]) -> dict[str, Any]:
+def probe(record: dict[str, Any], workspaces: tuple[int, ...], card: str | None = None) -> dict[str, Any]:
     """The probe's answers at the record's limit under the model: the search of today's autotune."""
     from autotune.engine.probe import ProbeRequest, run_probe
 
@@ -187,6 +202,7 @@ def probe(record: dict[str, Any], workspaces: tuple[int, ...]) -> dict[str, Any]
         steps=record["steps"],
         allocator="cuda",
         allocator_config=record["allocator_config"],
+        card=card,
     )
     started = time.perf_counter()
     result = run_probe(request, workload=workload_of(record, workspaces))
@@ -319,10 +335,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"no H100 records: {args.h100} is not a directory (give it with --h100 DIR)")
     records = read_records(args.h100)
     workspaces = tuple(int(m) * MIB for m in args.workspaces.split(",") if m.strip())
-    variants: list[tuple[str, tuple[int, ...]]] = [("CPU trace", ())]
+    variants: list[tuple[str, tuple[int, ...], str | None]] = [("CPU trace", (), None)]
     if workspaces:
         sizes = " + ".join(f"{n // MIB}" for n in workspaces)
-        variants.append((f"CPU trace + {sizes} MiB workspaces", workspaces))
+        variants.append((f"CPU trace + {sizes} MiB workspaces", workspaces, None))
+    variants.append(("CPU trace, card profile h100", (), "h100"))
     # The records' own settings only: none from this shell's environment.
     os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     os.environ.pop("PYTORCH_ALLOC_CONF", None)
@@ -345,11 +362,11 @@ def main(argv: list[str] | None = None) -> None:
             )
         else:
             case["model"] = []
-            for variant, held in variants:
-                run = {"variant": variant, **replay(record, held)}
+            for variant, held, card in variants:
+                run = {"variant": variant, **replay(record, held, card)}
                 run["summary"] = compare(record["trials"], run["trials"])
                 if not args.no_probe:
-                    run["probe"] = probe(record, held)
+                    run["probe"] = probe(record, held, card)
                 case["model"].append(run)
         print_case(case)
         cases.append(case)

@@ -89,7 +89,7 @@ def test_the_stored_measurement_holds_the_h100s_numbers_and_its_own_summary() ->
             assert "AUTOTUNE_MAX_CPU_MEMORY" in case["skipped"]
             continue
         shapes = [(r["batch"], r["micro_steps"], r["prefetch"]) for r in case["h100"]["trials"]]
-        for run in case["model"]:  # the CPU's trace alone, then with the workspaces
+        for run in case["model"]:  # the CPU's trace alone, with the workspaces, through the card profile
             model = run["trials"]
             assert [(r["batch"], r["micro_steps"], r["prefetch"]) for r in model] == shapes  # the same trials
             assert all(r["steps"] == 2 for r in model if r["fits"])  # the records' two optimizer steps
@@ -130,24 +130,36 @@ def test_the_pages_tables_quote_the_stored_measurement() -> None:
             assert "The whole-card record is listed, not run" in prose(text)
             continue
         h100 = case["h100"]
-        trace, held = case["model"]
+        trace, held, card = case["model"]
         assert [trace["workspaces_bytes"], held["workspaces_bytes"]] == [[], [32 * MIB, 32 * MIB]]
+        assert (trace["card"], held["card"], card["card"], card["workspaces_bytes"]) == (None, None, "h100", [])
 
         def answers(a: dict[str, Any]) -> str:
             return f"{a['max_micro_batch']}/{a['max_micro_batch_without_accumulation']}"
 
+        runs = (trace, held, card)
         cells = [
             _name(case["case"]),
             str(len(h100["trials"])),
-            f"{trace['summary']['fits_agree']} / {held['summary']['fits_agree']}",
-            f"{_gap(h100['trials'], trace['trials'])} / {_gap(h100['trials'], held['trials'])}",
-            f"{held['summary']['ratio_h100']['median']:.3f} / {held['summary']['ratio_model']['median']:.3f}",
-            " · ".join(answers(a) for a in (h100, trace["probe"], held["probe"])),
+            " / ".join(str(r["summary"]["fits_agree"]) for r in runs),
+            " / ".join(_gap(h100["trials"], r["trials"]) for r in runs),
+            " / ".join(
+                f"{x:.3f}"
+                for x in (
+                    held["summary"]["ratio_h100"]["median"],
+                    held["summary"]["ratio_model"]["median"],
+                    card["summary"]["ratio_model"]["median"],
+                )
+            ),
+            " · ".join(answers(a) for a in (h100, trace["probe"], held["probe"], card["probe"])),
         ]
         assert f"| {' | '.join(cells)} |" in text, cells
-        for h, m in zip(h100["trials"], held["trials"], strict=True):
+        # The card profile answers no case above the H100's record.
+        assert card["probe"]["max_micro_batch"] <= h100["max_micro_batch"]
+        assert card["probe"]["max_micro_batch_without_accumulation"] <= h100["max_micro_batch_without_accumulation"]
+        for h, m, c in zip(h100["trials"], held["trials"], card["trials"], strict=True):
             start = f"| {_name(case['case'])} | {h['batch']} × {h['micro_steps']} |"
             if start in text:  # an edge row
-                assert f"{start} {_verdict(h)} | {_verdict(m)} |" in text
+                assert f"{start} {_verdict(h)} | {_verdict(m)} | {_verdict(c)} |" in text
                 quoted += 1
     assert quoted == 6
