@@ -8,9 +8,9 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -680,21 +680,72 @@ def _verdict(result: ProbeResult) -> Verdict:
 
 
 # The result file -------------------------------------------------------------------------------
-def save_result(result: ProbeResult, path: str | Path) -> Path:
-    """Write `result` as JSON to `path` whole or not at all (a temporary file renamed over it): a
-    crash or a full disk never leaves half a result where a job will read one."""
-    target = Path(path).expanduser()
-    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+def write_file(path: str | Path, data: bytes) -> Path:
+    """Write `data` to `path` as a Unix tool writes a file, whole or not at all: into a new file beside
+    the target (same directory, so same file system), flushed to the disk, then renamed over it, so
+    that a crash or a full disk never leaves half a file where a job will read one. A symlink is
+    written through to its target (which it keeps pointing to); the file keeps an existing file's
+    permissions, and a new one has the process's umask's (0644 by default). A FIFO, a device, a
+    socket or a directory is refused with one line (ConfigError), not replaced. Returns the file
+    written (the symlink's target)."""
+    import secrets
+    import stat
+
+    given = Path(path).expanduser()
+    target = Path(os.path.realpath(given))  # through every symlink, to the file itself
     try:
-        with os.fdopen(handle, "w", encoding="utf-8") as file:
-            file.write(result.model_dump_json(indent=2) + "\n")
+        existing: os.stat_result | None = os.stat(target)
+    except FileNotFoundError:
+        existing = None
+    if existing is not None and not stat.S_ISREG(existing.st_mode):
+        raise ConfigError(f"{given}: {_file_kind(existing.st_mode)}, not a file: give the path of a file to write")
+    temporary = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
+    # O_EXCL: never through a link someone put there; mode 0666 less the umask, as `>` creates a file.
+    handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:
+        if existing is not None:  # the file it replaces keeps its permissions (and, where we may, owner)
+            os.fchmod(handle, stat.S_IMODE(existing.st_mode))
+            if (existing.st_uid, existing.st_gid) != (os.geteuid(), os.getegid()):
+                with contextlib.suppress(OSError):
+                    os.fchown(handle, existing.st_uid, existing.st_gid)
+        with os.fdopen(handle, "wb") as file:
+            file.write(data)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, target)
     except BaseException:
-        Path(temporary).unlink(missing_ok=True)
+        temporary.unlink(missing_ok=True)
         raise
+    with contextlib.suppress(OSError):  # the rename itself, to the disk
+        directory = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
     return target
+
+
+def _file_kind(mode: int) -> str:
+    import stat
+
+    for test, words in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return words
+    return "not a regular file"
+
+
+def save_result(result: ProbeResult, path: str | Path) -> Path:
+    """Write `result` as JSON to `path` whole or not at all (`write_file`: a temporary file beside it,
+    renamed over it; through a symlink to its target; a new file with the umask's permissions, an
+    existing one's kept); a FIFO, a device or a directory is refused (ConfigError). Returns the file
+    written."""
+    return write_file(path, (result.model_dump_json(indent=2) + "\n").encode("utf-8"))
 
 
 class SavedResult(ProbeResult):

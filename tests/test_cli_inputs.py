@@ -442,8 +442,13 @@ GUARDS = "tests.guard_workloads"
 
 
 def _reason(stderr: str) -> str:
-    """stderr without the probe's progress lines (`trial   1: ...`, `confirm: ...`): what it said."""
-    return "".join(line for line in stderr.splitlines(True) if not line.startswith(("trial ", "confirm: ")))
+    """stderr without the probe's progress lines (`trial   1: ...`, `confirm: ...`, `probing X: starting
+    ...` when it has said nothing for a moment): what it said."""
+    return "".join(
+        line
+        for line in stderr.splitlines(True)
+        if not line.startswith(("trial ", "confirm: ")) and not re.match(r"probing \S+: starting", line)
+    )
 
 
 @pytest.fixture

@@ -31,6 +31,7 @@ out = Console(soft_wrap=True, emoji=False)
 
 emitted: list[bool] = []  # a JSON document went to stdout in this run (one document, never two)
 debug_flag: list[bool] = []  # --debug was given in this run
+command_started: list[float] = []  # when the command started (time.monotonic()): its process's start for `autotune`
 
 
 def emit_json(text: str) -> None:

@@ -86,7 +86,9 @@ StepsOption = Annotated[
 MaxBatchOption = Annotated[
     int | None, typer.Option(metavar="N", min=1, help="Never try more than this.  " + default_note("no cap"))
 ]
-StartBatchOption = Annotated[int, typer.Option(metavar="N", min=1, help="First size to try.")]
+StartBatchOption = Annotated[
+    int, typer.Option(metavar="N", min=1, help="First size to try (--search plain only: predict refuses it).")
+]
 EffectiveBatchOption = Annotated[
     int | None,
     typer.Option(metavar="E", min=1, help="Plan accumulation for this effective batch.  " + default_note("no plan")),
@@ -135,15 +137,16 @@ PlotOption = Annotated[
     typer.Option(
         metavar="FILE.png",
         help="Draw memory against batch size and what fills it at the answer (needs the plot extra); "
-        ".png, .jpg, .svg or .pdf, as the extension says.",
+        ".png, .jpg, .svg or .pdf, as the extension says; written as --save writes its file.",
     ),
 ]
 SaveOption = Annotated[
     str | None,
     typer.Option(
         metavar="FILE.json",
-        help="Write the result to FILE.json (whole or not at all), for a job's script: "
-        "autotune.load_result(FILE.json).plan.",
+        help="Write the result to FILE.json, for a job's script: autotune.load_result(FILE.json).plan. Whole or "
+        "not at all (a file beside it, renamed over it), through a symlink to its target, with an existing file's "
+        "permissions or the umask's (0644); a directory, FIFO or device is refused.",
     ),
 ]
 PrefetchOption = Annotated[

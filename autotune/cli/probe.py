@@ -7,9 +7,12 @@ check first), the probe run with its progress shown (`progress`), the result sai
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autotune.cli.app import app, emit_json, err
+from autotune.cli import interrupts
+from autotune.cli.app import app, command_started, emit_json, err
 from autotune.cli.checks import (
     allocator_config_flag,
     check_cpu_budget,
@@ -66,7 +69,7 @@ from autotune.cli.options import (
     WaitOption,
     WorldSizeOption,
 )
-from autotune.cli.progress import run_with_progress
+from autotune.cli.progress import run_with_progress, waited_seconds
 from autotune.cli.summary import print_summary
 from autotune.errors import ConfigError
 
@@ -123,8 +126,10 @@ def probe(
     130 when interrupted (Ctrl-C) and 143 when terminated (SIGTERM), after the probe's processes
     have exited, with a line saying how many trials ran. One probe per device on this node: while
     another holds it, this one waits (or, with --no-wait, exits 1 naming it)."""
+    interrupts.where("before the probe started")
     request, settings, seconds = probe_request(dict(locals()))
     result = run_with_progress(request, in_process, seconds, wait=wait)
+    interrupts.where("after the probe answered, before its result was all reported")
     _report(result, json_output=json_output, save=save, plot=plot, publish=publish, settings=settings)
     verdict = result.verdict
     if verdict.exit_code and json_output:  # the summary's last line says it otherwise
@@ -151,11 +156,18 @@ def _report(
     if json_output:
         emit_json(result.model_dump_json(indent=2))
     else:
-        print_summary(result, saved=save)
+        wall = time.monotonic() - command_started[0] if command_started else None
+        print_summary(result, saved=save, wall_seconds=wall, waited_seconds=waited_seconds())
     if plot is not None:
-        from autotune.plot import write_plot
+        from autotune.plot import FORMATS, render_plot
+        from autotune.results import write_file
 
-        err.print(f"plot written to {write_plot(result, plot)}", highlight=False, markup=False)
+        picture = render_plot(result, format=FORMATS[Path(plot).expanduser().suffix.lower()])
+        try:
+            write_file(plot, picture)  # as --save: through a symlink, whole or not at all, the umask's mode
+        except OSError as exc:
+            raise ConfigError(f"--plot {plot!r}: the plot could not be written ({exc.strerror or exc})") from None
+        err.print(f"plot written to {Path(plot).expanduser()}", highlight=False, markup=False)
     if publish is not None:
         from autotune.client import publish_result
 

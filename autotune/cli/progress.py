@@ -3,8 +3,14 @@ seconds ticking, on a terminal (a live table and a spinner) or as plain lines fo
 line per trial, per new step at most once a second, and a heartbeat while a step runs long).
 
 Ctrl-C or SIGTERM ends the probe's processes first, then raises `ProbeInterrupted`, which `run`
-turns into one line and exit 130 or 143. A KeyboardInterrupt that the workload's code raised, with
-no Ctrl-C, is its error (`autotune.workloads.usercode.raised_by_code`), not an interrupt.
+turns into one line and exit 130 or 143 (and if that takes longer than a moment, as while the fork
+server imports torch, the command's watchdog ends them and says the same line:
+`autotune.cli.interrupts`). A KeyboardInterrupt that the workload's code raised, with no Ctrl-C, is
+its error (`autotune.workloads.usercode.raised_by_code`), not an interrupt.
+
+Piped, a probe that has said nothing a quarter second after it started (no trial yet, no wait for
+the device, no failure) says that it is starting (`probing gpt: starting in a process of its own,
+which imports torch and the workload`): its process needs seconds to import them.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from rich.markup import escape
 from rich.text import Text
 
+from autotune.cli import interrupts
 from autotune.cli.app import err
 from autotune.cli.summary import trial_table
 from autotune.units import format_bytes
@@ -33,11 +40,15 @@ if TYPE_CHECKING:
 # A log gets a progress line for each trial's first report, then at most one a second.
 LOG_INTERVAL_SECONDS = 1.0
 HEARTBEAT_SECONDS = 30.0  # piped output: a step with no new report is said to be still running this often
+# Piped output: a probe that has said nothing by then (no trial, no wait for the device, no failure:
+# its process is starting) says that it is starting.
+FIRST_LINE_SECONDS = 0.25
 
 
-class _Terminated(BaseException):
-    """SIGTERM during a probe, raised in the main thread by the handler `_run_with_progress` installs
-    (a BaseException: no `except Exception` in a trial may take it for the workload's error)."""
+# SIGTERM during a probe, raised in the main thread (by `main()`'s handler, or the one
+# `run_with_progress` installs where nobody handles SIGTERM).
+_Terminated = interrupts.Terminated
+_waited: list[float] = []  # the seconds the last probe waited for its device
 
 
 class ProbeInterrupted(BaseException):
@@ -47,6 +58,12 @@ class ProbeInterrupted(BaseException):
     def __init__(self, message: str, code: int, signal_name: str, trials: int) -> None:
         super().__init__(message)
         self.message, self.code, self.signal_name, self.trials = message, code, signal_name, trials
+        self.signum = int(getattr(signal, signal_name))
+
+
+def waited_seconds() -> float:
+    """The seconds the last probe run here waited for its device (another probe held it)."""
+    return _waited[-1] if _waited else 0.0
 
 
 def _count(n: int, thing: str) -> str:
@@ -131,15 +148,17 @@ def _progress_line(p: TrialProgress, trial: int) -> str:
     )
 
 
-class _Lines:
+class ProgressLines:
     """Plain progress lines on stderr, for a log (and the confirmation's lines on a terminal too).
 
     It keeps the step running and when its report came (a step can run for minutes with no new
     report, and a log that stops moving looks like a hang), when a line was last said, and a lock
     that keeps the heartbeat's line from naming a step that has just ended."""
 
-    def __init__(self, view: ProgressView) -> None:
+    def __init__(self, view: ProgressView, starting: str | None = None) -> None:
         self.view = view
+        self.starting = starting  # the first line, when nothing was said by FIRST_LINE_SECONDS
+        self.spoken = False
         self.latest: tuple[TrialProgress, float] | None = None
         self.said = time.monotonic()
         self.logged = -math.inf
@@ -149,6 +168,7 @@ class _Lines:
         # A Text, not markup=False: print's options would reach the live table's markup as well.
         err.print(Text(line), highlight=False)
         self.said = time.monotonic()
+        self.spoken = True
 
     def confirmed(self, t: TrialRecord) -> None:
         with self.lock:
@@ -166,6 +186,8 @@ class _Lines:
         with self.lock:
             self.view.wait(w)
             self.say(w.line())
+            if w.done:
+                _waited[:] = [w.seconds]
 
     def trial(self, t: TrialRecord) -> None:
         with self.lock:
@@ -188,17 +210,26 @@ class _Lines:
 
     @contextmanager
     def heartbeat(self) -> Iterator[None]:
-        """While the block runs, a step with no new report for HEARTBEAT_SECONDS is said to be still running."""
+        """While the block runs: `starting` once FIRST_LINE_SECONDS have passed with nothing said, and
+        a step with no new report for HEARTBEAT_SECONDS is said to be still running."""
         stopped = threading.Event()
 
         def beat() -> None:
-            while not stopped.wait(min(1.0, HEARTBEAT_SECONDS)):
+            pause = min(FIRST_LINE_SECONDS, HEARTBEAT_SECONDS)
+            while not stopped.wait(pause):
+                pause = min(1.0, HEARTBEAT_SECONDS)
                 with self.lock:
+                    if self.starting is not None and not self.spoken:
+                        self.say(self.starting)
                     running, now = self.latest, time.monotonic()
-                    if running is not None and now - self.said >= HEARTBEAT_SECONDS:
+                    if now - self.said < HEARTBEAT_SECONDS:
+                        continue
+                    if running is not None:
                         p, received = running
                         still = p.model_copy(update={"seconds": p.seconds + now - received})
                         self.say(_progress_line(still, len(self.view.trials) + 1) + " (still running)")
+                    elif not self.view.trials and self.view.current is None and self.view.waiting is None:
+                        self.say(f"{self.view.status()} (still starting)")  # a slow import: not a hang
 
         beating = threading.Thread(target=beat, name="autotune-progress-heartbeat", daemon=True)
         beating.start()
@@ -207,6 +238,9 @@ class _Lines:
         finally:
             stopped.set()
             beating.join()
+
+
+_Lines = ProgressLines  # its former name
 
 
 def _interrupted(exc: BaseException, trials: int, current: TrialProgress | None) -> ProbeInterrupted:
@@ -223,10 +257,6 @@ def _interrupted(exc: BaseException, trials: int, current: TrialProgress | None)
     return ProbeInterrupted(message, 143 if terminated else 130, "SIGTERM" if terminated else "SIGINT", trials)
 
 
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise _Terminated
-
-
 @contextmanager
 def _sigterm_raises() -> Iterator[None]:
     """SIGTERM raises _Terminated in the main thread while the block runs, unless the caller
@@ -236,7 +266,7 @@ def _sigterm_raises() -> Iterator[None]:
     if previous is not signal.SIG_DFL:
         handled = False
     if handled:
-        signal.signal(signal.SIGTERM, _raise_terminated)
+        signal.signal(signal.SIGTERM, interrupts.raise_terminated)
     try:
         yield
     finally:
@@ -250,7 +280,9 @@ def run_with_progress(request: ProbeRequest, in_process: bool, timeout: float, *
     ends the probe's processes, then raises ProbeInterrupted. While another probe holds the
     device: a line saying who, then one when it is free (or, with `wait=False`, DeviceBusyError)."""
     view = ProgressView(f"probing {request.target}", isolated=not in_process)
-    lines = _Lines(view)
+    where = "in this process" if in_process else "in a process of its own, which imports torch and the workload"
+    lines = ProgressLines(view, starting=f"probing {request.target}: starting {where}")
+    _waited.clear()
 
     def run(on_trial: Callable[[TrialRecord], None], on_progress: Callable[[TrialProgress], None]) -> ProbeResult:
         from autotune.engine.confirm import probe_and_confirm
@@ -278,7 +310,13 @@ def run_with_progress(request: ProbeRequest, in_process: bool, timeout: float, *
             finally:
                 view.done = True  # the last frame, drawn as Live stops: the table alone
 
-    with _sigterm_raises():
+    def how_far(signum: int) -> tuple[str, int]:  # for the watchdog, when it ends the probe itself
+        said = _interrupted(
+            _Terminated() if signum == signal.SIGTERM else KeyboardInterrupt(), len(view.trials), view.current
+        )
+        return said.message, said.trials
+
+    with _sigterm_raises(), interrupts.saying(how_far):
         try:
             return run_and_show()
         except (KeyboardInterrupt, _Terminated) as exc:

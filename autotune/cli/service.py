@@ -1,8 +1,16 @@
-"""`autotune serve` (the service on this node) and `autotune devices` (the GPUs NVML sees)."""
+"""`autotune serve` (the service on this node) and `autotune devices` (the GPUs NVML sees).
+
+`serve` stops gracefully on Ctrl-C (SIGINT) and SIGTERM and exits 0: the service finishes what it
+was answering (uvicorn's graceful shutdown) and says it stopped; a second Ctrl-C cuts that short.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Annotated, Any
 
 import typer
@@ -43,21 +51,62 @@ def serve(
 ) -> None:
     """Run the autotune service (AUTOTUNE_* settings; needs the `server` extra).
 
-    Exit codes: 0 when stopped (Ctrl-C, SIGTERM); 2 for bad input: a flag, an AUTOTUNE_* variable,
-    the workloads file or the database, a --host or --port it cannot listen on (not an address of
-    this machine, a port in use), or the server extra missing."""
-    load_settings()
-    # Before the service's imports (seconds: FastAPI, the store, torch), so a bad flag answers at once.
-    # Another process may take the port between this check and uvicorn's bind; that one race keeps
-    # uvicorn's own words (exit 3 or 1).
-    check_listen(host, port, workers)
+    Exit codes: 0 when stopped (Ctrl-C, SIGTERM: it finishes what it is answering, then stops; a
+    second Ctrl-C cuts that short); 2 for bad input: a flag, an AUTOTUNE_* variable, the workloads
+    file or the database, a --host or --port it cannot listen on (not an address of this machine, a
+    port in use), or the server extra missing."""
+    with _stopping_gracefully() as stopped:
+        try:
+            load_settings()
+            # Before the service's imports (seconds: FastAPI, the store, torch), so a bad flag answers at
+            # once. Another process may take the port between this check and uvicorn's bind; that one
+            # race keeps uvicorn's own words (exit 3 or 1).
+            check_listen(host, port, workers)
+            try:
+                from api.server import serve as run_server
+            except ImportError as exc:
+                raise ConfigError(
+                    f"the service needs autotune's server extra (fastapi, uvicorn, prometheus-client): {exc}"
+                ) from None
+            run_server(host=host, port=port, workers=workers)
+        except _Stopped as stop:
+            stopped.append(stop.signum)
+    if stopped:
+        err.print(f"autotune serve: stopped by {_WORDS[signal.Signals(stopped[0])]}", highlight=False, markup=False)
+
+
+_WORDS = {signal.SIGINT: "Ctrl-C (SIGINT)", signal.SIGTERM: "SIGTERM"}
+
+
+class _Stopped(BaseException):
+    """SIGINT or SIGTERM for the service: before uvicorn runs (its start-up), or as uvicorn, having
+    stopped gracefully, raises the signal it caught again (for the handler it found, this one)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise _Stopped(signum)
+
+
+@contextlib.contextmanager
+def _stopping_gracefully() -> Iterator[list[int]]:
+    """SIGINT and SIGTERM stop the service, exit 0: in the main thread, where a signal can be handled.
+    uvicorn installs its own handlers while it serves (a graceful shutdown, then the signal raised
+    again for the handler it found: this one, which turns it into the end of `serve`); with several
+    workers, its supervisor stops them and returns."""
+    stopped: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield stopped
+        return
+    previous = {number: signal.signal(number, _stop) for number in (signal.SIGINT, signal.SIGTERM)}
     try:
-        from api.server import serve as run_server
-    except ImportError as exc:
-        raise ConfigError(
-            f"the service needs autotune's server extra (fastapi, uvicorn, prometheus-client): {exc}"
-        ) from None
-    run_server(host=host, port=port, workers=workers)
+        yield stopped
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 def check_listen(host: str, port: int, workers: int) -> None:

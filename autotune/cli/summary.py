@@ -87,8 +87,12 @@ def plan_lines(p: Plan) -> list[str]:
     return lines
 
 
-def print_summary(result: ProbeResult, saved: str | None = None) -> None:
-    """The result for people; `saved`: the file --save wrote, which the closing lines load."""
+def print_summary(
+    result: ProbeResult, saved: str | None = None, *, wall_seconds: float | None = None, waited_seconds: float = 0.0
+) -> None:
+    """The result for people; `saved`: the file --save wrote, which the closing lines load;
+    `wall_seconds`: the command's time from its start (its processes' start-up, and `waited_seconds`
+    for the device, included)."""
     at = result.trial_at_answer
     single = result.max_micro_batch_without_accumulation
     if result.max_micro_batch is None:
@@ -127,7 +131,7 @@ def print_summary(result: ProbeResult, saved: str | None = None) -> None:
     failed = next((t for t in result.evidence() if t.batch == above and not t.fits), None)
     if failed is not None:
         out.print(f"  {failed.batch} ran out of memory: {escape(failed.oom_message or '')}")
-    out.print(f"  {escape(time_words(result))}; fingerprint {result.fingerprint[:16]}")
+    out.print(f"  {escape(time_words(result, wall_seconds, waited_seconds))}; fingerprint {result.fingerprint[:16]}")
     compared = result.allocator_comparison
     if compared is not None:
         out.print(f"  {escape(_comparison_words(result, compared))}", highlight=False)
@@ -172,16 +176,18 @@ def python_lines(saved: str | None, *, allow_unconfirmed: bool = False) -> list[
     return lines
 
 
-def time_words(result: ProbeResult) -> str:
-    """Where the time went: the search, the fresh-process confirmation, and both together."""
-    searched = f"{len(result.trials)} trials in {result.duration_seconds:.1f} s"
+def time_words(result: ProbeResult, wall_seconds: float | None = None, waited_seconds: float = 0.0) -> str:
+    """Where the time went: the search, the fresh-process confirmation, and, given the command's
+    wall time from its start (`wall_seconds`), all of it: the processes' start-up (an interpreter,
+    torch, the workload) and the wait for the device (`waited_seconds`) are in it."""
+    words = f"{len(result.trials)} trials in {result.duration_seconds:.1f} s"
     c = result.confirmation
-    if c is None or c.status == "skipped" or not c.runs:
-        return searched
-    return (
-        f"{searched}, then {c.runs} fresh-process confirmation run(s) in {c.seconds:.1f} s: "
-        f"{result.duration_seconds + c.seconds:.1f} s in all"
-    )
+    if c is not None and c.status != "skipped" and c.runs:
+        words += f", then {c.runs} fresh-process confirmation run(s) in {c.seconds:.1f} s"
+    if wall_seconds is not None:
+        waited = f", {waited_seconds:.1f} s of it waiting for the device" if waited_seconds >= 0.05 else ""
+        words += f"; {wall_seconds:.1f} s in all from the command's start (starting its processes included{waited})"
+    return words
 
 
 def _comparison_words(result: ProbeResult, compared: AllocatorComparison) -> str:

@@ -67,19 +67,38 @@ atexit.register(_kill_live_children)
 def hold_interrupts() -> Callable[[], None]:
     """Hold Ctrl-C (and a SIGTERM turned into an exception) until the returned `release()`, which
     raises what came meanwhile: a child started in between is then in the hands of the code that
-    ends it (an interrupt inside `Popen` would lose the child it has just started). Only in the main
-    thread, and only signals with a Python handler; elsewhere `release` does nothing."""
+    ends it (an interrupt inside `Popen` would lose the child it has just started). A second signal
+    is not held: the caller insists, and its handler runs at once (the hold may last the seconds a
+    fork server needs to import torch; the command line also ends a held probe by itself within a
+    second: `autotune.cli.interrupts`). Only in the main thread, and only signals with a Python
+    handler; elsewhere `release` does nothing."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     held: list[int] = []
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     handlers = {s: h for s, h in previous.items() if callable(h)}
+    restored = False
+
+    def restore() -> None:
+        nonlocal restored
+        if not restored:
+            restored = True
+            for number, handler in handlers.items():
+                signal.signal(number, handler)
+
+    def hold(signum: int, frame: Any) -> None:
+        held.append(signum)
+        if len(held) > 1:  # the second: not held
+            restore()
+            handlers[signal.Signals(signum)](signum, frame)
+
     for number in handlers:
-        signal.signal(number, lambda signum, frame: held.append(signum))
+        signal.signal(number, hold)
 
     def release() -> None:
-        for number, handler in handlers.items():
-            signal.signal(number, handler)
+        if restored:  # a second signal ran its handler already
+            return
+        restore()
         for signum in held[:1]:
             handlers[signal.Signals(signum)](signum, None)
 
@@ -87,15 +106,19 @@ def hold_interrupts() -> Callable[[], None]:
 
 
 def _end(child: subprocess.Popen[bytes] | zygote.Forked) -> None:
-    if child.poll() is None:
-        child.kill()
-    with contextlib.suppress(subprocess.TimeoutExpired):  # a process in uninterruptible sleep
-        child.wait(timeout=10)
-    if child.stdin is not None:
-        with contextlib.suppress(OSError):  # a broken pipe to a dead child
-            child.stdin.close()
-    with _live_lock:
-        _live.discard(child)
+    try:
+        if child.poll() is None:
+            child.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):  # a process in uninterruptible sleep
+            child.wait(timeout=10)
+        if child.stdin is not None:
+            with contextlib.suppress(OSError):  # a broken pipe to a dead child
+                child.stdin.close()
+    finally:
+        # Also when a Ctrl-C cuts the wait short: the child is killed (its fork server, closed on the
+        # interrupt, reaps it), and nothing is left for the exit to end.
+        with _live_lock:
+            _live.discard(child)
 
 
 def _describe_exit(code: int | None) -> str:

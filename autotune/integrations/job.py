@@ -7,9 +7,13 @@ samples per optimizer step, and `effective_batch="max"` asks for the largest mic
 with no accumulation (the effective batch then follows the memory, and the training with it).
 
 Progress. Each trial is logged at INFO (`autotune.integrations.<framework>`) in the command line's
-words (`trial   3: batch     64 x2 fits peak    1.2 MiB   0.31 s`), and on a terminal the command
-line's live table shows the trials as they run. At the end the plan is logged at INFO and each of
-its warnings at WARNING.
+words (`trial   3: batch     64 x2 fits peak    1.2 MiB   0.31 s`). On a terminal the command line's
+live table shows the trials as they run; otherwise (a log file, CI) stderr gets the command line's
+plain progress lines (that it is starting, when it has said nothing else a moment after it began;
+each trial as it starts and ends, the step running at most once a second, a heartbeat while one runs
+long), unless the log already writes INFO to stderr. At the end the plan is logged at INFO and each
+of its warnings at WARNING, with the tune's seconds and, apart from them, the seconds it waited for
+the device while another probe held it.
 
 No side effects. torch's CPU random state (and CUDA's, when CUDA is initialized or is the job's
 device), numpy's and `random`'s states, each module's train/eval mode and the model's device are put
@@ -22,6 +26,7 @@ from __future__ import annotations
 import logging
 import random
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,7 +42,7 @@ from autotune.results import FrameworkTuning, GradientCheck, JobBatch, ProbeResu
 from autotune.units import format_bytes
 
 if TYPE_CHECKING:
-    from autotune.cli.progress import ProgressView
+    from autotune.cli.progress import ProgressLines, ProgressView
 
 EffectiveBatch = int | Literal["max"] | None
 Framework = Literal["transformers", "lightning", "accelerate"]
@@ -199,34 +204,78 @@ def trial_line(number: int, record: TrialRecord) -> str:
 
 
 class Reporter:
-    """Where a tune's trials go: the log, the live table on a terminal, and the caller's callback."""
+    """Where a tune's trials go: the log, the live table on a terminal or the plain progress lines
+    otherwise, and the caller's callback; and how long the tune waited for its device."""
 
     def __init__(self, logger: logging.Logger, on_trial: Callable[[TrialRecord], None] | None = None) -> None:
         self.logger = logger
         self.trials = 0
-        self.view: ProgressView | None = None
+        self.view: ProgressView | None = None  # the live table, on a terminal
+        self.lines: ProgressLines | None = None  # the plain lines, on stderr that is not a terminal
+        self.waits: list[float] = []  # when the device's lock said it was held, then free (time.time())
         self._on_trial = on_trial
 
     def trial(self, record: TrialRecord) -> None:
         self.trials += 1
         self.logger.info("%s", trial_line(self.trials, record))
-        if self.view is not None:
+        if self.lines is not None:
+            self.lines.trial(record)
+        elif self.view is not None:
             self.view.trial(record)
         if self._on_trial is not None:
             self._on_trial(record)
 
     def progress(self, progress: TrialProgress) -> None:
-        if self.view is not None:
+        if self.lines is not None:
+            self.lines.progress(progress)
+        elif self.view is not None:
             self.view.progress(progress)
 
+    @property
+    def waited(self) -> float:
+        """Seconds the tune waited for its device (from the lock's first "waiting" to its "free")."""
+        return self.waits[-1] - self.waits[0] if len(self.waits) >= 2 else 0.0
+
     def say(self, line: str) -> None:
-        """A line for the person at the terminal, when the live table is shown (the log has it too)."""
-        if self.view is not None:
+        """A line for the person watching (the live table, or the plain lines); the log has it too."""
+        if self.view is not None or self.lines is not None:
             from rich.text import Text
 
             from autotune.cli.app import err
 
             err.print(Text(line), highlight=False)
+
+
+_current = threading.local()  # the Reporter of this thread's tune (`tuning_record` reads its wait)
+
+
+class _LockWaits(logging.Filter):
+    """The device lock's log lines of one thread (`autotune.engine.lock`: who holds the device, then
+    that it is free), timed for its Reporter; the lines themselves go on as they would."""
+
+    def __init__(self, reporter: Reporter) -> None:
+        super().__init__()
+        self.reporter, self.thread = reporter, threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.thread == self.thread:
+            self.reporter.waits.append(record.created)
+        return True
+
+
+def _logs_info_to_stderr(logger: logging.Logger) -> bool:
+    """Whether `logger`'s INFO records reach stderr through a handler of its own or its ancestors'
+    (then the trials are on stderr already, and the plain lines would say them twice)."""
+    if not logger.isEnabledFor(logging.INFO):
+        return False
+    current: logging.Logger | None = logger
+    while current is not None:
+        for handler in current.handlers:
+            stream = getattr(handler, "stream", None)
+            if handler.level <= logging.INFO and stream in (sys.stderr, sys.__stderr__):
+                return True
+        current = current.parent if current.propagate else None
+    return False
 
 
 @contextmanager
@@ -237,26 +286,44 @@ def reporting(
     show: bool | None = None,
     on_trial: Callable[[TrialRecord], None] | None = None,
 ) -> Iterator[Reporter]:
-    """A Reporter for the block; with `show` (by default: stderr is a terminal) the command line's
-    live table of the trials and the running one is drawn on stderr while the block runs."""
+    """A Reporter for the block. With `show` the command line's live table of the trials and the
+    running one is drawn on stderr while the block runs; by default (`show=None`) when stderr is a
+    terminal, and otherwise the command line's plain progress lines go to stderr (unless the log
+    already writes INFO there); `show=False`: the log alone. The device lock's waits in this thread
+    are timed (`Reporter.waited`), apart from the tune's seconds (`tuning_record`)."""
     reporter = Reporter(logger, on_trial)
+    plain = show is None and not sys.stderr.isatty() and not _logs_info_to_stderr(logger)
     if show is None:
         show = sys.stderr.isatty()
-    if not show:
-        yield reporter
-        return
-    from rich.live import Live
-
-    from autotune.cli.app import err
-    from autotune.cli.progress import ProgressView
-
-    view = ProgressView(title, isolated=False)
-    reporter.view = view
-    with Live(view, console=err, auto_refresh=True, refresh_per_second=8):
-        try:
+    waits = _LockWaits(reporter)
+    lock_log = logging.getLogger("autotune.engine.lock")
+    lock_log.addFilter(waits)
+    outer = getattr(_current, "reporter", None)
+    _current.reporter = reporter
+    try:
+        if not show and not plain:
             yield reporter
-        finally:
-            view.done = True  # the last frame: the table alone
+            return
+        from autotune.cli.app import err
+        from autotune.cli.progress import ProgressLines, ProgressView
+
+        view = ProgressView(title, isolated=False)
+        if plain:
+            lines = reporter.lines = ProgressLines(view, starting=f"{title}: starting, in this process")
+            with lines.heartbeat():
+                yield reporter
+            return
+        from rich.live import Live
+
+        reporter.view = view
+        with Live(view, console=err, auto_refresh=True, refresh_per_second=8):
+            try:
+                yield reporter
+            finally:
+                view.done = True  # the last frame: the table alone
+    finally:
+        _current.reporter = outer
+        lock_log.removeFilter(waits)
 
 
 def tuning_record(
@@ -279,8 +346,14 @@ def tuning_record(
         tuned=JobBatch.of(tuned[0], tuned[1], world_size),
         gradient_check=check,
         trials=len(result.trials),
-        seconds=time.perf_counter() - started,
+        # The tune's own seconds: a wait for the device (another probe held it) is said apart.
+        seconds=max(0.0, time.perf_counter() - started - _waited()),
     )
+
+
+def _waited() -> float:
+    reporter: Reporter | None = getattr(_current, "reporter", None)
+    return 0.0 if reporter is None else reporter.waited
 
 
 def with_tuning(result: ProbeResult, tuning: FrameworkTuning, *warnings: str | None) -> ProbeResult:
@@ -305,6 +378,8 @@ def log_outcome(reporter: Reporter, result: ProbeResult, then: str) -> None:
             f"step{'' if tuned.accumulation_steps == 1 else 's'} for the effective batch {tuning.effective_batch}"
         )
     line = f"autotune: {what} ({then}); {tuning.trials} trials in {tuning.seconds:.1f} s"
+    if reporter.waited >= 0.05:
+        line += f", after {reporter.waited:.1f} s waiting for the device (another probe held it)"
     reporter.logger.info("%s", line)
     reporter.say(line)
     for warning in result.plan.warnings if result.plan is not None else []:
