@@ -12,8 +12,11 @@ Public API:
     ProbeResult, TrialRecord, LoopShape  what a probe reports (autotune.results)
     load_result                    a saved probe result (`autotune probe --save`): `.plan` runs in the loop
 
-The names that need torch (Workload, Precision, ProbeRequest, run_probe, run_isolated,
-probe_and_confirm, probe_workload) are imported on first use, so `import autotune` stays light.
+Every name is imported on first use, so `import autotune` imports nothing but this module: the
+`autotune` command starts with its signal handling in place before anything else loads (a Ctrl-C
+in the first moments is one line, not a traceback), and the names that need torch (Workload,
+Precision, ProbeRequest, run_probe, run_isolated, probe_and_confirm, probe_workload) cost nothing
+until used.
 """
 
 from __future__ import annotations
@@ -21,13 +24,29 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from autotune.plans.accumulate import AcrossRanks, MicroStep, OOMGuard, accumulate
-from autotune.plans.plan import Plan, Policy, plan
-from autotune.results import LoopShape, ProbeResult, TrialRecord, load_result
+if TYPE_CHECKING:
+    from autotune.engine.confirm import probe_and_confirm
+    from autotune.engine.isolation import run_isolated
+    from autotune.engine.probe import ProbeRequest, probe_workload, run_probe
+    from autotune.plans.accumulate import AcrossRanks, MicroStep, OOMGuard, accumulate
+    from autotune.plans.plan import Plan, Policy, plan
+    from autotune.results import LoopShape, ProbeResult, TrialRecord, load_result
+    from autotune.workloads.workload import Precision, Workload
 
 _LAZY = {
+    "AcrossRanks": "autotune.plans.accumulate",
+    "MicroStep": "autotune.plans.accumulate",
+    "OOMGuard": "autotune.plans.accumulate",
+    "accumulate": "autotune.plans.accumulate",
+    "Plan": "autotune.plans.plan",
+    "Policy": "autotune.plans.plan",
+    "plan": "autotune.plans.plan",
+    "LoopShape": "autotune.results",
+    "ProbeResult": "autotune.results",
+    "TrialRecord": "autotune.results",
+    "load_result": "autotune.results",
     "Workload": "autotune.workloads.workload",
     "Precision": "autotune.workloads.workload",
     "ProbeRequest": "autotune.engine.probe",

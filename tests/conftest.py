@@ -31,6 +31,8 @@ os.environ.pop("COLUMNS", None)
 LONGEST_FIRST = (
     "test_cuda_truth.py",
     "test_readme.py",
+    "test_cli_signals.py",
+    "test_api_worker_loss.py",
     "test_probe.py",
     "test_estimate.py",
     "test_parallel.py",

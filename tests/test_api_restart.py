@@ -76,9 +76,8 @@ def test_kill_9_mid_probe_then_restart(tmp_path: Path, database: str) -> None:
             children = _probe_children(second)
     finally:
         code = second.stop(signal.SIGTERM, timeout=20)  # graceful: must not wait for the probe
-    # uvicorn finishes its shutdown, then re-raises the signal it caught: exit status -SIGTERM (or
-    # 143, where the command line turns the signal into its exit status).
-    assert code in (0, -signal.SIGTERM, 128 + signal.SIGTERM), second.output()
+    # `autotune serve` stops gracefully on SIGTERM and exits 0, as docs/cli.md says.
+    assert code == 0, second.output()
     assert "Application shutdown complete" in second.output()
     wait_for(lambda: not any(alive(pid) for pid in children), 15, f"probe children {children} to exit")
 
