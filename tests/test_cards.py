@@ -75,3 +75,41 @@ def test_what_the_model_does_not_follow_is_refused(monkeypatch: pytest.MonkeyPat
 
     with pytest.raises(ConfigError, match="PYTORCH_NO_CUDA_MEMORY_CACHING is set: it turns CUDA's caching allocator"):
         refuse_uncached()
+
+
+def test_the_cli_probes_through_a_card_and_refuses_what_cannot_stand_for_one(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    from autotune import cli
+    from tests.serving import ROOT
+
+    monkeypatch.chdir(ROOT)
+    code = cli.run(
+        [
+            "probe",
+            "tests.workloads:tiny",
+            "--device",
+            "cpu",
+            "--memory",
+            "80MiB",
+            "--max-batch",
+            "64",
+            "--card",
+            "h100",
+            "--json",
+        ]
+    )
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    result = json.loads(printed.out)
+    assert result["device"]["name"] == "CPU budget device (80.0 MiB) standing for an NVIDIA H100 80GB HBM3"
+    assert "2 cuBLAS workspaces of 32.0 MiB; 738.0 MiB outside PyTorch" in result["allocator_config"]
+    assert all(t["peak_allocated_bytes"] >= 2 * H100.cublas_workspace_bytes for t in result["trials"] if t["fits"])
+    for flags, words in (
+        (["--card", "a100"], "--card 'a100' is not one of h100"),
+        (["--card", "h100", "--allocator", "exact"], "drop --allocator exact (a card implies --allocator cuda)"),
+    ):
+        assert cli.run(["probe", "mlp", "--device", "cpu", *flags]) == 2
+        assert words in capsys.readouterr().err

@@ -194,11 +194,21 @@ def check_ignored_flags(fields: dict[str, Any], timeout: float | None, in_proces
             "--compare-allocator-config on CUDA probes again in a process started with those settings, and "
             "--in-process runs in this one, whose CUDA has its own already: drop --in-process"
         )
-    modelled = (fields["allocator"] or allocator_mode()) == "cuda"
+    modelled = (fields["allocator"] or allocator_mode()) == "cuda" or fields["card"] is not None
     if fields["compare_allocator_config"] is not None and not modelled and on_budget_device(fields["device"]):
         raise ConfigError(
             "--compare-allocator-config compares caching-allocator settings, and the cpu budget device counts "
             "exactly unless modelling one: add --allocator cuda, or probe on CUDA"
+        )
+    if fields["card"] is not None and not on_budget_device(fields["device"]):
+        raise ConfigError(
+            f"--card {fields['card']} is the GPU the cpu budget device stands for, and this probe runs on CUDA, which "
+            "is a card itself: drop --card"
+        )
+    if fields["card"] is not None and fields["allocator"] == "exact":
+        raise ConfigError(
+            f"--card {fields['card']} models the card's caching allocator, and --allocator exact counts live bytes "
+            "without one: drop --allocator exact (a card implies --allocator cuda)"
         )
     if fields["allocator"] == "exact" and fields["allocator_config"] is not None:
         raise ConfigError(

@@ -198,6 +198,14 @@ AllocatorOption = Annotated[
         "allocator: reserved memory, fragmentation, retries).  " + default_note("AUTOTUNE_ALLOCATOR, exact"),
     ),
 ]
+CardOption = Annotated[
+    str | None,
+    typer.Option(
+        metavar="h100",
+        help="The GPU the budget device stands for: the allocator model with the card's fraction cap, the memory "
+        "outside PyTorch and cuBLAS's workspaces (implies --allocator cuda). Budget device only.",
+    ),
+]
 CompareAllocatorOption = Annotated[
     str | None,
     typer.Option(

@@ -36,6 +36,7 @@ from autotune.cli.options import (
     DEFAULT_POLICY,
     AllocatorConfigOption,
     AllocatorOption,
+    CardOption,
     BudgetOption,
     CompareAllocatorOption,
     ConfirmOption,
@@ -110,6 +111,7 @@ def probe(
     confirm_steps: ConfirmStepsOption = None,
     max_steps: MaxStepsOption = 10,
     allocator: AllocatorOption = None,
+    card: CardOption = None,
     allocator_config: AllocatorConfigOption = None,
     compare_allocator_config: CompareAllocatorOption = None,
     parallel: ParallelOption = "none",
@@ -232,6 +234,7 @@ def _request_fields(flags: dict[str, Any]) -> dict[str, Any]:
         objective=choice(flags["objective"], ("memory", "throughput"), "--objective"),
         parallel=choice(flags["parallel"], ("none", "ddp", "fsdp"), "--parallel"),
         allocator=choice(flags["allocator"], ("exact", "cuda"), "--allocator"),
+        card=choice(flags["card"].lower() if flags["card"] else flags["card"], ("h100",), "--card"),
         allocator_config=allocator_config_flag(flags["allocator_config"]),
         compare_allocator_config=allocator_config_flag(flags["compare_allocator_config"], "--compare-allocator-config"),
         **{
