@@ -369,3 +369,105 @@ def test_with_the_allocator_model_the_replayed_trace_predicts_the_reserved_answe
     _assert_from_the_single_answer(result)
     assert accumulating.prediction is None or accumulating.prediction.exact, accumulating
     assert len(result.loop_trials(2)) <= 4
+
+
+# Trials the settle rule ran for different numbers of steps (issue 37) -------------------------
+def test_timeline_trials_that_settled_in_different_steps_are_compared_over_the_same_steps() -> None:
+    """With the caching allocator's model (AUTOTUNE_ALLOCATOR=cuda) a trial runs until the allocator
+    settles: here batch 4's in 3 optimizer steps and batch 2's in 4. Their timelines are compared
+    over the 3 steps both ran (the steps an optimizer hook marked), so they pair, and the prediction
+    is exact: four trials, where the op counts used to differ by a step, the reason blamed the
+    workload ("runs 4/3 ops at batch 2/4 ... a loop over the rows?"), batch 8 was probed (it did not
+    fit at 32 MiB) and the plain search took seven."""
+    request = ProbeRequest(
+        target="tests.settle_workloads:unequal_steps", device="cpu", memory=32 * MIB, headroom=0, allocator="cuda"
+    )
+    result = run_probe(request)
+    single = result.loop_trials(1)
+    assert [(t.batch, t.steps) for t in single[:2]] == [(4, 3), (2, 4)]  # the case in point
+    prediction = _predicted(result)
+    assert prediction is not None and prediction.fallback_reason is None and prediction.exact is True
+    answer = result.max_micro_batch_without_accumulation
+    assert [t.batch for t in single] == [4, 2, answer, answer + 1]
+    _assert_verified(result)
+    _assert_from_the_single_answer(result)
+
+
+def test_a_timeline_marks_each_optimizer_step_and_is_cut_to_the_steps_another_ran() -> None:
+    from autotune.engine.predict import cut, paired, same_steps
+
+    device = BudgetDevice(32 * MIB, allocator="cuda")
+    runner = TrialRunner(resolve("tests.settle_workloads:unequal_steps"), device, steps=2)
+    (_, high), (_, low) = (record_trial(runner, device, b) for b in (4, 2))
+    assert high is not None and low is not None
+    assert (len(high.step_ends), high.steps, len(low.step_ends), low.steps) == (3, 3, 4, 4)
+    assert high.ops != low.ops
+    # Both cut after their third step (what each ran after its last step, undoing the trial, goes).
+    two, four = same_steps(low, high)
+    assert len(two.ops) == len(four.ops) == high.step_ends[-1] == low.step_ends[2] < len(high.ops)
+    assert (two.steps, four.steps) == (3, 3) and two.ops == four.ops == high.ops[: len(two.ops)]
+    assert paired(low, high) == (two, four)
+    # A cut keeps the storages born before it, alive where they died after it.
+    assert two.storages is not None and low.storages is not None
+    assert len(two.storages.born_at) < len(low.storages.born_at) and max(two.storages.died_at) < len(two.ops)
+    assert cut(low, len(low.ops)) is low
+
+
+def _logged(batch: int, sizes: list[tuple[int, int, int]], ops: int = 3) -> Timeline:
+    """A timeline from (op made it, op freed it or -1, bytes) per storage, in the order they were made;
+    its live bytes counted from them as the budget device counts them (512-byte blocks)."""
+    from autotune.devices.budget import ROUNDING
+    from autotune.engine.predict import StorageLog
+
+    live = [0] * ops
+    for born, died, nbytes in sizes:
+        for op in range(born, ops if died < 0 else died):
+            live[op] += -(-nbytes // ROUNDING) * ROUNDING
+    log = StorageLog(0, tuple(b for b, _, _ in sizes), tuple(d for _, d, _ in sizes), tuple(n for _, _, n in sizes), ())
+    return Timeline(batch, tuple(f"op{i}" for i in range(ops)), tuple(live), log)
+
+
+def test_storages_pair_by_op_and_size_class_and_the_larger_trial_s_temporaries_keep_their_size() -> None:
+    """The rule: within an op, each of the smaller trial's storages pairs with the next of the larger
+    one's of its size class (as large, by at most the batch ratio) and lifetime; what is left over must
+    be a temporary of its op (a reduction's workspace from some size on), kept at its size."""
+    from autotune.engine.predict import pair_by_op
+
+    small = _logged(4, [(0, -1, 4096), (1, 2, 768)])
+    # Batch 8: a 1.5 MiB workspace and an 8-byte counter in op 1, freed there, before its 768 bytes.
+    large = _logged(8, [(0, -1, 8192), (1, 1, 1572864), (1, 1, 8), (1, 2, 768)])
+    partners = pair_by_op(small, large)
+    assert partners is not None and partners.tolist() == [4096, 1572864, 8, 768]
+    model = StorageModel.fit(small, large)
+    assert model is not None and not model.one_to_one
+    assert model.raw_sizes(100).tolist() == [102400, 1572864, 8, 768]
+    # A storage left over that outlives its op is no temporary: the trials do not pair.
+    kept = _logged(8, [(0, -1, 8192), (1, -1, 1024), (1, 2, 768)])
+    assert pair_by_op(small, kept) is None and StorageModel.fit(small, kept) is None
+    # Nor one grown by more than the batch ratio (or shrunk): another kind of storage.
+    grown = _logged(8, [(0, -1, 4096 * 3), (1, 2, 768)])
+    assert pair_by_op(small, grown) is None
+
+
+def test_where_trials_differ_is_said_over_the_steps_both_ran() -> None:
+    """Two trials of 3 and 4 steps whose steps also differ (batch 4 runs a `mul` the other does not):
+    the reason names the `mul`'s code, counted over the 3 steps both ran, not the matmul's, whose
+    count differs only by the step one of them ran more."""
+    from autotune.engine.predict import aligned, where_ops_differ
+
+    mm, add, mul, undo = ("model.py", 1, "forward"), ("model.py", 2, "forward"), ("model.py", 3, "forward"), None
+
+    def steps(batch: int, count: int, step: list[tuple[str, tuple[str, int, str] | None]]) -> Timeline:
+        ops = [*(step * count), ("copy", undo)]
+        return Timeline(
+            batch,
+            tuple(name for name, _ in ops),
+            tuple(0 for _ in ops),
+            sites=tuple(site for _, site in ops),
+            step_ends=tuple(len(step) * (k + 1) for k in range(count)),
+        )
+
+    low = steps(2, 3, [("mm", mm), ("add", add)])
+    high = steps(4, 4, [("mm", mm), ("mul", mul), ("add", add)])
+    assert "model.py:1 in forward runs 3/4 ops at batch 2/4" in where_ops_differ([low, high])
+    assert "model.py:3 in forward runs 0/3 ops at batch 2/4" in where_ops_differ(aligned([low, high]))

@@ -3,7 +3,7 @@
 The peak memory of a training step is not affine in the batch size (the peak moves between
 forward, backward and the optimizer step), but the live bytes after each individual op are. So we
 record the live-bytes timeline of a whole trial (the same steps a trial runs) at two small batch
-sizes p < q, check both ran the same op sequence, and predict
+sizes p < q, check both ran the same op sequence (over the same optimizer steps, below), and predict
 
     peak(B) = max over ops t of (a_t + b_t·B)
 
@@ -31,7 +31,17 @@ trial, the prediction is from live bytes alone. Either way the cap applies to re
 (allocated plus the caching allocator's rounding and fragmentation), so the first guess is run as
 a trial and the allocated/reserved ratio it measured, at the scale of the answer, refines the guess
 before the verification (`Prediction.first_guess` says it ran). The trace's path is tested on the
-budget device's model writing torch's format; it has not yet run on a GPU.
+budget device's model writing torch's format, and on the H100's recorded traces
+(bench/replay_h100.py: the H100's answers, in four trials a loop); not yet live on a GPU.
+
+Two trials pair when, over the same optimizer steps, they ran the same op sequence. Where the
+device has a caching allocator, each trial runs until it settles, so two trials can run 3 and 4 steps:
+`same_steps` cuts both after the steps both ran (the step ends an optimizer hook marked in the
+timeline, `recording`; for a trace recorded without the marks, where the sequences part, if that is
+a step's end). Their storages then pair storage for storage, or else by op and size class
+(`pair_by_op`: within each op, in order, same lifetime, as large or larger by at most the batch
+ratio; what is left over must be a temporary freed in its op, and the larger trial's keep their
+size), and `ReplayModel` replays them (paired by class: the larger trial's allocations, in its order).
 
 The timeline trials are real trials: they run the same steps under the same limit, so they are
 reported first in the result's trial list, counted in the trial count (`Prediction.probe_trials`
@@ -41,6 +51,8 @@ says how many), and reused when the verification asks for the same size.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import itertools
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -49,6 +61,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotune.devices import host
@@ -99,18 +112,24 @@ class AllocationTrace:
     `order`: (0, serial) a storage of the trial born, (1, serial) it died, (2, key) a storage older
     than the trial died; `blocks`: the model's block of each storage alive when the trial began;
     `reserved_peak`: the reserved peak the trial itself showed, where the device recorded it apart
-    from the model (CUDA's segment events), for the replay to be checked against."""
+    from the model (CUDA's segment events), for the replay to be checked against; `reserved_peaks`:
+    the same through each op (CUDA's trace with its ops), for a timeline cut to fewer steps."""
 
     order: tuple[tuple[int, int], ...]
     allocator: CachingAllocatorModel
     blocks: dict[int, int]
     reserved_peak: int | None = None
+    reserved_peaks: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
 class Timeline:
     """Live bytes after every op of one trial at one batch size, and the code that ran each op
-    (`autotune.devices.host.code_site`: file, line, function; None where no Python code did)."""
+    (`autotune.devices.host.code_site`: file, line, function; None where no Python code did).
+
+    `step_ends`: how many ops had run when each optimizer step ended (recorded by an optimizer
+    hook; empty where none was recorded); `steps`: the optimizer steps the trial ran (its record's),
+    which tell where steps end when no hook recorded it (`same_steps`)."""
 
     batch: int
     ops: tuple[str, ...]
@@ -118,6 +137,8 @@ class Timeline:
     storages: StorageLog | None = None
     trace: AllocationTrace | None = None
     sites: tuple[Site | None, ...] = ()
+    step_ends: tuple[int, ...] = ()
+    steps: int | None = None
 
 
 def parse_events(
@@ -136,6 +157,7 @@ def parse_events(
     nbytes: list[int] = []
     older: list[tuple[int, int]] = []
     sites: list[Site | None] = []
+    step_ends: list[int] = []
     serial_of: dict[int, int] = {}
     for kind, what, value in events:
         if kind == "op":
@@ -143,6 +165,8 @@ def parse_events(
             live.append(value)
         elif kind == "site":
             sites.append(what)
+        elif kind == "step":
+            step_ends.append(len(ops))
         elif kind == "born":
             serial_of[what] = len(born_at)
             order.append((0, len(born_at)))
@@ -159,7 +183,15 @@ def parse_events(
                 order.append((1, serial))
     log = StorageLog(base, tuple(born_at), tuple(died_at), tuple(nbytes), tuple(older))
     trace = None if allocator is None else AllocationTrace(tuple(order), allocator[0], allocator[1])
-    return Timeline(batch, tuple(ops), tuple(live), log, trace, tuple(sites) if len(sites) == len(ops) else ())
+    return Timeline(
+        batch,
+        tuple(ops),
+        tuple(live),
+        log,
+        trace,
+        tuple(sites) if len(sites) == len(ops) else (),
+        step_ends=tuple(step_ends),
+    )
 
 
 # CUDA's allocation trace ----------------------------------------------------------------------
@@ -184,6 +216,7 @@ def parse_snapshots(
     config: AllocatorConfig = DEFAULT_CONFIG,
     ops: Sequence[OpMark] | None = None,
     sites: Sequence[Site | None] = (),
+    step_ends: Sequence[int] = (),
 ) -> Timeline:
     """Turn two `torch.cuda.memory._snapshot()`s, taken just before and just after a trial while
     the allocator recorded its history, into the trial's Timeline: each allocation's birth, death
@@ -209,6 +242,7 @@ def parse_snapshots(
     live: dict[int, int] = {}  # address -> the trial's block there until its free completes
     allocs = frees = 0
     peak = reserved
+    peaks = [peak]  # the reserved peak through each allocation (its segment came just before it)
     # Entries of another stream are kept in the one pool the model has; the real allocator hands a
     # stream's free blocks only to that stream, so the replay can share blocks it did not: the
     # reserved peak the segment entries show is what catches that (`ReplayModel.fit`).
@@ -224,6 +258,7 @@ def parse_snapshots(
             died.append(None)
             nbytes.append(size)
             steps.append("alloc")
+            peaks.append(peak)
         elif action == "free_requested":
             # Allocated bytes drop here (the live bytes); the block is reused only once its free
             # completes (the replay's order), which with one stream is the very next entry.
@@ -265,6 +300,7 @@ def parse_snapshots(
         born_at = [step for step, _ in born]
         died_at = [-1 if d is None else d[0] for d in died]
         older_at = [step for step, _, _ in older]
+        allocs_by = list(itertools.accumulate(int(step == "alloc") for step in steps))
     else:
         counted_allocs = [n for _, n, _ in ops]
         counted_frees = [n for _, _, n in ops]
@@ -277,6 +313,7 @@ def parse_snapshots(
         born_at = [bisect_left(counted_allocs, n) for _, n in born]
         died_at = [-1 if d is None else bisect_left(counted_frees, d[1]) for d in died]
         older_at = [bisect_left(counted_frees, n) for _, n, _ in older]
+        allocs_by = counted_allocs
     log = StorageLog(
         base,
         tuple(born_at),
@@ -296,9 +333,19 @@ def parse_snapshots(
         np.asarray(older_at, dtype=np.int64),
         np.asarray([block for _, _, block in older], dtype=np.int64),
     )
-    trace = AllocationTrace(tuple(order), model, handles, reserved_peak=peak)
+    trace = AllocationTrace(
+        tuple(order), model, handles, reserved_peak=peak, reserved_peaks=tuple(peaks[n] for n in allocs_by)
+    )
     live_bytes = tuple(counted.timeline(batch).tolist())
-    return Timeline(batch, names, live_bytes, log, trace, tuple(sites) if len(sites) == len(names) else ())
+    return Timeline(
+        batch,
+        names,
+        live_bytes,
+        log,
+        trace,
+        tuple(sites) if len(sites) == len(names) else (),
+        step_ends=tuple(step_ends),
+    )
 
 
 def _device_trace(snapshot: Mapping[str, Any], device: int) -> list[Mapping[str, Any]]:
@@ -369,6 +416,99 @@ def _take_over(
 
 def same_ops(a: Timeline, b: Timeline) -> bool:
     return a.ops == b.ops
+
+
+def cut(timeline: Timeline, ops: int, steps: int | None = None) -> Timeline:
+    """The timeline of the trial's first `ops` ops (`steps` optimizer steps, where known): storages
+    born later left out, deaths later undone (alive at the end), the trace's order and reserved peak
+    taken through that op. Where the trace has no reserved peak per op, the cut has none to check."""
+    if ops >= len(timeline.ops):
+        return timeline
+    log, trace = timeline.storages, timeline.trace
+    storages = None
+    kept = 0
+    if log is not None:
+        kept = bisect_left(log.born_at, ops)  # storages are numbered in the order they were born
+        died = tuple(d if 0 <= d < ops else -1 for d in log.died_at[:kept])
+        older = tuple((at, n) for at, n in log.older_deaths if at < ops)
+        storages = StorageLog(log.base, log.born_at[:kept], died, log.nbytes[:kept], older)
+    if trace is not None and storages is not None and log is not None:
+        order: list[tuple[int, int]] = []
+        older_deaths = iter(log.older_deaths)  # the (2, key) entries, in the order they died
+        for kind, index in trace.order:
+            if kind == 0:
+                keep = index < kept
+            elif kind == 1:
+                keep = index < kept and storages.died_at[index] >= 0
+            else:
+                keep = next(older_deaths)[0] < ops
+            if keep:
+                order.append((kind, index))
+        peaks = trace.reserved_peaks
+        trace = AllocationTrace(
+            tuple(order),
+            trace.allocator,
+            trace.blocks,
+            reserved_peak=None if peaks is None or not ops else peaks[ops - 1],
+            reserved_peaks=None if peaks is None else peaks[:ops],
+        )
+    else:
+        trace = None
+    ends = tuple(end for end in timeline.step_ends if end <= ops)
+    return Timeline(
+        timeline.batch,
+        timeline.ops[:ops],
+        timeline.live[:ops],
+        storages,
+        trace,
+        timeline.sites[:ops],
+        step_ends=ends,
+        steps=steps if steps is not None else (len(ends) if ends else None),
+    )
+
+
+def same_steps(a: Timeline, b: Timeline) -> tuple[Timeline, Timeline]:
+    """The two trials' timelines over the same optimizer steps.
+
+    The settle rule runs each trial until the caching allocator settles, so two trials can run
+    different numbers of steps (3 and 4 on the H100): their op sequences then differ by whole steps,
+    not by anything the workload does at each size. Both are cut after the steps both ran: at the
+    recorded step ends where an optimizer hook recorded them (`recording`), else where the two
+    sequences part, provided that is a step's end: the longer trial's next ops repeat its step
+    before (a step being (its ops - the other's) / (its steps - the other's) ops). Timelines that
+    ran the same steps, or cannot be cut so, come back as they are."""
+    if a.ops == b.ops:
+        return a, b
+    if a.step_ends and b.step_ends:
+        steps = min(len(a.step_ends), len(b.step_ends))
+        if len(a.step_ends) == len(b.step_ends):
+            return a, b
+        return cut(a, a.step_ends[steps - 1], steps), cut(b, b.step_ends[steps - 1], steps)
+    if a.steps is None or b.steps is None or a.steps == b.steps:
+        return a, b
+    (short, fewer), (long, more) = sorted(((a, a.steps), (b, b.steps)), key=lambda pair: pair[1])
+    per_step, rest = divmod(len(long.ops) - len(short.ops), more - fewer)
+    if rest or per_step <= 0:
+        return a, b
+    end = next((i for i, (x, y) in enumerate(zip(short.ops, long.ops, strict=False)) if x != y), len(short.ops))
+    if end < per_step or long.ops[end - per_step : end] != long.ops[end : end + per_step]:
+        return a, b
+    return cut(a, end, fewer), cut(b, end, fewer)
+
+
+def paired(a: Timeline, b: Timeline) -> tuple[Timeline, Timeline] | None:
+    """`a` and `b` over the same steps (`same_steps`), if they then ran the same op sequence."""
+    a, b = same_steps(a, b)
+    return (a, b) if same_ops(a, b) else None
+
+
+def aligned(timelines: Sequence[Timeline]) -> list[Timeline]:
+    """Timelines over the steps all of them ran, where each recorded its step ends (for saying
+    where they differ: not in steps that only some of them ran)."""
+    if len(timelines) < 2 or not all(t.step_ends for t in timelines):
+        return list(timelines)
+    steps = min(len(t.step_ends) for t in timelines)
+    return [cut(t, t.step_ends[steps - 1], steps) for t in timelines]
 
 
 def where_ops_differ(timelines: Sequence[Timeline]) -> str:
@@ -452,11 +592,67 @@ class EnvelopeModel:
         return largest
 
 
+def pair_by_op(a: Timeline, b: Timeline) -> np.ndarray | None:
+    """Pair the storages of two trials of the same op sequence by op and size class, not storage
+    by storage: for each storage of the larger trial `b`, the bytes of its partner in `a`, or its
+    own bytes where it has none; None when they do not pair.
+
+    The rule: within each op, `a`'s storages, in the order they were made, each pair with the first
+    storage of `b`'s made by the same op, after the previous pair's, that is of its size class and
+    lifetime: as large or larger, by at most the ratio of the batch sizes (plus a 512-byte block),
+    and freed in the same op (or alive at the end). What is left unpaired must be a temporary of its
+    op (freed in the op that made it: no live bytes after any op), as a reduction's workspace that
+    appears from some size on: `b`'s keep their size at every batch, `a`'s are dropped. Any other
+    storage left unpaired, and the trials do not pair."""
+    la, lb = a.storages, b.storages
+    assert la is not None and lb is not None
+    made_a: dict[int, list[int]] = {}
+    made_b: dict[int, list[int]] = {}
+    for serial, op in enumerate(la.born_at):
+        made_a.setdefault(op, []).append(serial)
+    for serial, op in enumerate(lb.born_at):
+        made_b.setdefault(op, []).append(serial)
+    partners = np.asarray(lb.nbytes, dtype=np.int64).copy()
+
+    def temporary(log: StorageLog, serials: Sequence[int], op: int) -> bool:
+        return all(log.died_at[s] == op for s in serials)
+
+    for op in made_a.keys() | made_b.keys():
+        mine, theirs = made_a.get(op, []), made_b.get(op, [])
+        start = 0
+        for serial in mine:
+            size, death = la.nbytes[serial], la.died_at[serial]
+            match = next(
+                (
+                    k
+                    for k in range(start, len(theirs))
+                    if lb.died_at[theirs[k]] == death
+                    and size <= lb.nbytes[theirs[k]]
+                    and lb.nbytes[theirs[k]] * a.batch <= size * b.batch + ROUNDING * a.batch
+                ),
+                None,
+            )
+            if match is None:
+                if death != op:
+                    return None
+                continue
+            if not temporary(lb, theirs[start:match], op):
+                return None
+            partners[theirs[match]] = size
+            start = match + 1
+        if not temporary(lb, theirs[start:], op):
+            return None
+    return partners
+
+
 @dataclass(frozen=True)
 class StorageModel:
     """Live bytes rebuilt storage by storage, each rounded to the allocator's block at size B.
 
-    Exact on the budget device when every storage's raw size is affine in the batch."""
+    Exact on the budget device when every storage's raw size is affine in the batch. The storages
+    are the larger trial's (`q`'s), each sized at B on the line through its size there and its
+    partner's at `p`: the same storage where the two trials' storages correspond one to one
+    (`one_to_one`), else the partner `pair_by_op` found, and its own size where it has none."""
 
     p: int
     q: int
@@ -468,37 +664,50 @@ class StorageModel:
     nbytes_q: np.ndarray
     older_at: np.ndarray
     older_bytes: np.ndarray
+    one_to_one: bool = True
 
     @classmethod
     def fit(cls, a: Timeline, b: Timeline) -> StorageModel | None:
-        """None when the two trials' storages do not correspond one to one."""
+        """None when the two trials' storages do not pair (`pair_by_op`), or the model does not
+        reproduce both trials' live bytes."""
         la, lb = a.storages, b.storages
-        if la is None or lb is None or la.born_at != lb.born_at or la.died_at != lb.died_at:
+        if la is None or lb is None or len(a.ops) != len(b.ops):
             return None
         if la.base != lb.base or la.older_deaths != lb.older_deaths:
             return None
-        older = la.older_deaths
+        one_to_one = la.born_at == lb.born_at and la.died_at == lb.died_at
+        if not one_to_one and a.batch > b.batch:
+            return cls.fit(b, a)  # the larger trial's storages are the ones kept
+        partners = np.asarray(la.nbytes, dtype=np.int64) if one_to_one else pair_by_op(a, b)
+        if partners is None:
+            return None
+        older = lb.older_deaths
         model = cls(
             a.batch,
             b.batch,
-            len(a.ops),
-            la.base,
-            np.asarray(la.born_at, dtype=np.int64),
-            np.asarray(la.died_at, dtype=np.int64),
-            np.asarray(la.nbytes, dtype=np.int64),
+            len(b.ops),
+            lb.base,
+            np.asarray(lb.born_at, dtype=np.int64),
+            np.asarray(lb.died_at, dtype=np.int64),
+            partners,
             np.asarray(lb.nbytes, dtype=np.int64),
             np.asarray([i for i, _ in older], dtype=np.int64),
             np.asarray([n for _, n in older], dtype=np.int64),
+            one_to_one,
         )
-        # The model must reproduce both recordings exactly, or it describes something else.
+        # The model must reproduce both recordings exactly, or it describes something else. (What
+        # `pair_by_op` leaves unpaired is freed in the op that made it: no live bytes after an op.)
         if model.timeline(a.batch).tolist() != list(a.live) or model.timeline(b.batch).tolist() != list(b.live):
             return None
         return model
 
-    def timeline(self, batch: int) -> np.ndarray:
+    def raw_sizes(self, batch: int) -> np.ndarray:
+        """Each storage's bytes at `batch`, on the line through its sizes at p and q (rounded up)."""
         span = self.q - self.p
-        raw = -((-(self.nbytes_p * span + (self.nbytes_q - self.nbytes_p) * (batch - self.p))) // span)
-        sizes = -((-np.maximum(raw, 0)) // ROUNDING) * ROUNDING
+        return np.maximum(-((-(self.nbytes_p * span + (self.nbytes_q - self.nbytes_p) * (batch - self.p))) // span), 0)
+
+    def timeline(self, batch: int) -> np.ndarray:
+        sizes = -((-self.raw_sizes(batch)) // ROUNDING) * ROUNDING
         delta = np.zeros(self.ops + 1, dtype=np.int64)
         np.add.at(delta, self.born_at, sizes)
         dead = self.died_at >= 0
@@ -516,13 +725,29 @@ class StorageModel:
 
 
 @dataclass(frozen=True)
+class Replayed:
+    """What the allocator's model did with one replay: whether every allocation fitted, the reserved
+    peak, the allocation retries (the cache freed and the segment asked again), and for one that did
+    not fit: the request, the segment it asked for (what CUDA's message names) and what was reserved
+    then."""
+
+    fits: bool
+    reserved_peak: int
+    retries: int
+    requested: int | None = None
+    segment: int | None = None
+    reserved: int | None = None
+
+
+@dataclass(frozen=True)
 class ReplayModel:
     """The trial's allocations replayed through the caching allocator's model at batch B: each
     storage at its size at B (as `StorageModel` scales it), born and freed in the order the trial
     ran them, starting from the allocator as the trial found it. `peak(B)` is the reserved peak, or
     one byte over the limit when the allocator model runs out (after freeing its cache and retrying,
     as the real one does): the limit bites on reserved memory, not on the live bytes the other
-    models count."""
+    models count. The order is a trial's own: the larger one's where the storages paired by class
+    (those `StorageModel` keeps), else the smaller one's."""
 
     storage: StorageModel
     trace: AllocationTrace
@@ -532,15 +757,24 @@ class ReplayModel:
     def fit(cls, a: Timeline, b: Timeline, storage: StorageModel, limit: int) -> ReplayModel | None:
         if a.trace is None or b.trace is None:
             return None
-        kinds_a = [kind for kind, _ in a.trace.order]
-        kinds_b = [kind for kind, _ in b.trace.order]
-        if kinds_a != kinds_b:
-            return None
-        replay = cls(storage, a.trace, limit)
+        if storage.one_to_one:
+            kinds_a = [kind for kind, _ in a.trace.order]
+            kinds_b = [kind for kind, _ in b.trace.order]
+            if kinds_a != kinds_b:
+                return None
+            replay = cls(storage, a.trace, limit)
+            checked: tuple[Timeline, ...] = (a, b)
+        else:
+            larger = a if a.batch == storage.q else b
+            assert larger.trace is not None
+            replay = cls(storage, larger.trace, limit)
+            # The smaller trial did not make the larger one's temporaries: only the larger one's
+            # allocations are replayed as they were.
+            checked = (larger,)
         # As the storage model must reproduce the live bytes, the replay must reproduce the reserved
         # peak each trial showed: where it does not (other streams, a setting it does not follow),
         # it describes another allocator.
-        for timeline in (a, b):
+        for timeline in checked:
             assert timeline.trace is not None
             shown = timeline.trace.reserved_peak
             if shown is not None and replay.peak(timeline.batch) != shown:
@@ -548,12 +782,18 @@ class ReplayModel:
         return replay
 
     def peak(self, batch: int) -> int:
-        storage = self.storage
-        span = storage.q - storage.p
-        raw = -((-(storage.nbytes_p * span + (storage.nbytes_q - storage.nbytes_p) * (batch - storage.p))) // span)
-        sizes = np.maximum(raw, 0).tolist()
+        replayed = self.run(batch)
+        return replayed.reserved_peak if replayed.fits else self.limit + 1
+
+    def run(self, batch: int, limit: int | None = None) -> Replayed:
+        """Replay the allocations at `batch`, under `limit` rather than the trial's where given (a
+        size at the allocator's edge runs again with less: `autotune.engine.confirm`)."""
+        sizes = self.storage.raw_sizes(batch).tolist()
         model = copy.deepcopy(self.trace.allocator)
         older = dict(self.trace.blocks)
+        if limit is not None and limit != model.limit_bytes:
+            model, older = _capped(model, older, limit)
+        retries = model.stats().num_alloc_retries
         handles: dict[int, int] = {}
         model.reset_peak()
         try:
@@ -566,9 +806,36 @@ class ReplayModel:
                     block = older.pop(index, None)
                     if block is not None:
                         model.free(block)
-        except AllocatorOutOfMemory:
-            return self.limit + 1
-        return model.stats().peak_reserved_bytes
+        except AllocatorOutOfMemory as exc:
+            stats = model.stats()
+            return Replayed(
+                False,
+                stats.peak_reserved_bytes,
+                stats.num_alloc_retries - retries,
+                requested=exc.requested,
+                segment=exc.alloc_size,
+                reserved=exc.stats.reserved_bytes,
+            )
+        stats = model.stats()
+        return Replayed(True, stats.peak_reserved_bytes, stats.num_alloc_retries - retries)
+
+
+def _capped(
+    model: CachingAllocatorModel, blocks: dict[int, int], limit: int
+) -> tuple[CachingAllocatorModel, dict[int, int]]:
+    """The model's segments and blocks in a model capped at `limit` (its other settings kept), and
+    `blocks`' handles there. Raises ValueError for a model whose segments cannot be taken over
+    (expandable segments)."""
+    capped = CachingAllocatorModel(
+        limit, model.config, total_bytes=model.total_bytes, outside_bytes=model.outside_bytes
+    )
+    handle_of: dict[int, int] = {}
+    for address, small, parts in model.layout():
+        handles = iter(capped.add_segment(address, [(size, h is not None) for _, size, h in parts], small=small))
+        for _, _, handle in parts:
+            if handle is not None:
+                handle_of[handle] = next(handles)
+    return capped, {key: handle_of[handle] for key, handle in blocks.items() if handle in handle_of}
 
 
 def largest_fitting(model: CurveModel, limit: int, guess: int) -> int:
@@ -700,14 +967,30 @@ def _cuda_timeline(device: ProbeDevice) -> Iterator[list[Event]]:
 
 
 def recording(device: ProbeDevice) -> AbstractContextManager[list[Event]]:
-    """Record a timeline of whatever runs in the block on `device`."""
+    """Record a timeline of whatever runs in the block on `device`, with the end of each optimizer
+    step marked (("step", None, 0), by a hook on every torch optimizer's step) for `same_steps`."""
     record = getattr(device, "record_timeline", None)
     if record is not None:
         context: AbstractContextManager[list[Event]] = record()
-        return context
-    if device.kind == "cuda":
-        return _cuda_timeline(device)
-    raise ValueError(f"cannot record a memory timeline on a {device.kind} device")
+    elif device.kind == "cuda":
+        context = _cuda_timeline(device)
+    else:
+        raise ValueError(f"cannot record a memory timeline on a {device.kind} device")
+    return _marking_steps(context)
+
+
+@contextmanager
+def _marking_steps(context: AbstractContextManager[list[Event]]) -> Iterator[list[Event]]:
+    with context as events:
+
+        def stepped(_optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+            events.append(("step", None, 0))
+
+        handle = register_optimizer_step_post_hook(stepped)
+        try:
+            yield events
+        finally:
+            handle.remove()
 
 
 def traced_timeline(batch: int, device: ProbeDevice, events: Sequence[Event]) -> Timeline:
@@ -745,6 +1028,7 @@ def timeline_of_trace(
         raise UnusableTrace(f"the model does not follow the allocator's settings: {exc}") from exc
     ops: list[OpMark] = []
     sites: list[Site | None] = []
+    step_ends: list[int] = []
     name = ""
     for kind, what, _ in events:
         if kind == "op":
@@ -753,6 +1037,8 @@ def timeline_of_trace(
             sites.append(what)
         elif kind == "count":
             ops.append((name, what[0] - allocs, what[1] - frees))
+        elif kind == "step":
+            step_ends.append(len(ops))
     return parse_snapshots(
         batch,
         before,
@@ -763,6 +1049,7 @@ def timeline_of_trace(
         config=config,
         ops=ops,
         sites=sites,
+        step_ends=step_ends,
     )
 
 
@@ -776,14 +1063,14 @@ def record_trial(trial: TrialFn, device: ProbeDevice, batch: int) -> tuple[Trial
         return record, None
     if any(kind == "trace" for kind, _, _ in events):
         try:
-            return record, traced_timeline(batch, device, events)
+            return record, dataclasses.replace(traced_timeline(batch, device, events), steps=record.steps)
         except UnusableTrace:
             # The per-op allocated bytes below stand in: predicted from live bytes, the guess is
             # then refined by one trial's allocated/reserved ratio (`predicted_search`).
             pass
-    timeline = parse_events(batch, base, events, snapshot)
+    timeline = dataclasses.replace(parse_events(batch, base, events, snapshot), steps=record.steps)
     if not any(kind in ("born", "died") for kind, _, _ in events):
-        timeline = Timeline(batch, timeline.ops, timeline.live, None, sites=timeline.sites)
+        timeline = dataclasses.replace(timeline, storages=None, trace=None)
     return record, timeline
 
 
@@ -836,28 +1123,29 @@ def predicted_search(
     elif not probe(ladder[1]) or not probe(ladder[0]):
         failed = ladder[1] if not known[ladder[1]].fits else ladder[0]
         reason = f"probe batch {failed} did not fit: the answer is smaller than the probes"
-    elif same_ops(timelines[ladder[0]], timelines[ladder[1]]):
-        pair = (timelines[ladder[0]], timelines[ladder[1]])
+    elif (pair := paired(timelines[ladder[0]], timelines[ladder[1]])) is not None:
+        pass
     elif cap is not None and cap < ladder[2]:
         reason = (
             f"op sequences differ between batch {ladder[0]} and {ladder[1]} "
-            f"({where_ops_differ([timelines[b] for b in ladder[:2]])}), and the cap is below {ladder[2]}"
+            f"({where_ops_differ(aligned([timelines[b] for b in ladder[:2]]))}), and the cap is below {ladder[2]}"
         )
     elif not probe(ladder[2]):
         reason = (
             f"op sequences differ between batch {ladder[0]} and {ladder[1]} "
-            f"({where_ops_differ([timelines[b] for b in ladder[:2]])}), and probe batch {ladder[2]} did not fit"
+            f"({where_ops_differ(aligned([timelines[b] for b in ladder[:2]]))}), and probe batch {ladder[2]} did "
+            "not fit"
         )
-    elif same_ops(timelines[ladder[1]], timelines[ladder[2]]):
-        pair = (timelines[ladder[1]], timelines[ladder[2]])
-    elif same_ops(timelines[ladder[0]], timelines[ladder[2]]):
+    elif (pair := paired(timelines[ladder[1]], timelines[ladder[2]])) is not None:
+        pass
+    elif (pair := paired(timelines[ladder[0]], timelines[ladder[2]])) is not None:
         # The first trial (ladder[1]) ran once-only work: FSDP2 initializes lazily in the first
         # forward of a model that later trials reuse.
-        pair = (timelines[ladder[0]], timelines[ladder[2]])
+        pass
     else:
         reason = (
             f"op sequences differ between batch {ladder[0]}, {ladder[1]} and {ladder[2]}, so nothing can be "
-            f"extrapolated: {where_ops_differ([timelines[b] for b in ladder])}"
+            f"extrapolated: {where_ops_differ(aligned([timelines[b] for b in ladder]))}"
         )
 
     probes = list(known.values())

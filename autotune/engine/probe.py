@@ -32,7 +32,7 @@ from autotune.devices.device import ProbeDevice
 from autotune.engine.lock import WaitCallback, device_lock
 from autotune.engine.objective import time_and_choose
 from autotune.engine.predict import predicted_search
-from autotune.engine.search import SearchOutcome, search, search_from_guess
+from autotune.engine.search import SearchOutcome, nothing_fits, search, search_from_guess
 from autotune.engine.trial import TrainLoop, TrialRunner
 from autotune.errors import ConfigError, InsufficientMemoryError, NothingFitsError
 from autotune.parallel import sharding_name
@@ -473,13 +473,7 @@ def _search_below(
         return SearchOutcome(ceiling, single.capped, [first]), None
     below = ceiling - request.granularity
     if below < request.granularity:
-        raise NothingFitsError(
-            f"even batch {ceiling} does not fit within a limit of {format_bytes(device.limit_bytes)} (it needed at "
-            f"least {format_bytes(first.peak_allocated_bytes or 0)}): give the probe more memory (--memory, less "
-            "--headroom), a lower precision or a smaller model",
-            peak_bytes=first.peak_allocated_bytes,
-            limit_bytes=device.limit_bytes,
-        )
+        raise nothing_fits(first, device.limit_bytes)
     if request.search == "predict":
         outcome, prediction = _search(trial, device, request, cap=below)
     else:

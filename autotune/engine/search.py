@@ -10,6 +10,7 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -69,12 +70,38 @@ def _validate(start: int, cap: int | None, granularity: int) -> None:
 
 
 def _nothing_fits(memo: _Memo, limit_bytes: int | None) -> NothingFitsError:
-    smallest = memo.record(1)
-    needed = smallest.peak_allocated_bytes
+    return nothing_fits(memo.record(1), limit_bytes)
+
+
+# What an out-of-memory message (CUDA's, and the allocator model's, which words it alike) says the
+# allocator tried to allocate: the segment it asked for, on which the limit bit.
+_TRIED = re.compile(r"Tried to allocate ([0-9.]+ ?[KMGTP]?i?B)")
+
+
+def nothing_fits(record: TrialRecord, limit_bytes: int | None) -> NothingFitsError:
+    """The error for the smallest size, which did not fit (`record`), saying what bit. With a caching
+    allocator (CUDA, the budget device's model of it) the limit bites on reserved bytes: the message
+    quotes those and what the allocator then tried to allocate, not the allocated bytes, which can
+    be far below the limit; without one, the bytes the size needed."""
+    needed = record.peak_allocated_bytes
+    reserved = record.peak_reserved_bytes
     limit = f" within a limit of {format_bytes(limit_bytes)}" if limit_bytes else ""
+    if reserved and (record.allocator is not None or reserved > (needed or 0)):
+        tried = _TRIED.search(record.oom_message or "")
+        if record.failure in ("thrashing", "unsettled") or (tried is None and record.oom_message):
+            asked = f" and then: {record.oom_message}"
+        elif tried is not None:
+            asked = f" when it tried to allocate {tried.group(1)} more"
+        else:
+            asked = " when an allocation did not fit"
+        what = (
+            f"the caching allocator had reserved up to {format_bytes(reserved)}, "
+            f"{format_bytes(needed or 0)} of it allocated to tensors,{asked}"
+        )
+    else:
+        what = f"it needed at least {format_bytes(needed)}"
     return NothingFitsError(
-        f"even batch {memo.granularity} does not fit{limit} "
-        f"(it needed at least {format_bytes(needed)}): give the probe more memory "
+        f"even batch {record.batch} does not fit{limit} ({what}): give the probe more memory "
         "(--memory, less --headroom), a lower precision or a smaller model",
         peak_bytes=needed,
         limit_bytes=limit_bytes or 0,
