@@ -698,7 +698,7 @@ def write_file(path: str | Path, data: bytes) -> Path:
     except FileNotFoundError:
         existing = None
     if existing is not None and not stat.S_ISREG(existing.st_mode):
-        raise ConfigError(f"{given}: {_file_kind(existing.st_mode)}, not a file: give the path of a file to write")
+        raise ConfigError(f"{given}: {file_kind(existing.st_mode)}, not a file: give the path of a file to write")
     temporary = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
     # O_EXCL: never through a link someone put there; mode 0666 less the umask, as `>` creates a file.
     handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
@@ -725,7 +725,7 @@ def write_file(path: str | Path, data: bytes) -> Path:
     return target
 
 
-def _file_kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
     import stat
 
     for test, words in (

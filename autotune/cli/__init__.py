@@ -14,6 +14,7 @@ once, and an output path that cannot be written is refused before the probe, not
     app        the typer app, the consoles, the JSON document of a run
     options    every flag, declared once
     checks     the flags' and variables' checks; the probe's flags made a request
+    outputs    the files a command writes (--save, --plot), checked before the probe
     probe      `autotune probe`          progress  its run, shown as it goes
     plan       `autotune plan`           summary   the words of a result, a plan, an estimate
     estimate   `autotune estimate`       service   `autotune serve` and `autotune devices`

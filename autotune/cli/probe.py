@@ -19,7 +19,6 @@ from autotune.cli.checks import (
     check_device,
     check_ignored_flags,
     check_options,
-    check_output_file,
     check_probe_relations,
     check_target,
     check_timeout,
@@ -70,6 +69,7 @@ from autotune.cli.options import (
     WaitOption,
     WorldSizeOption,
 )
+from autotune.cli.outputs import check_output_file
 from autotune.cli.progress import run_with_progress, waited_seconds
 from autotune.cli.summary import print_summary
 from autotune.errors import ConfigError
