@@ -73,7 +73,7 @@ def test_the_readme_loop_at_the_answer_holds_one_micro_batch_on_the_device_as_th
     micro-batch, beyond the dataset the block makes (on the host in a job) and its batch's layout
     (two stacked tensors where the workload's worst case is two views of one: 4.5 KiB), once a
     second window trains with the optimizer's state alive. Reading the plan's window of 20 micro-batches ahead, as
-    accumulate did, held 20 batches there: 195 KiB above the probe's peak."""
+    accumulate did, held the window's batches there (10 KiB above the probe's peak in this one)."""
     import torch
 
     import autotune
@@ -86,13 +86,14 @@ def test_the_readme_loop_at_the_answer_holds_one_micro_batch_on_the_device_as_th
     plan = result.plan
     assert plan.accumulation_steps == 20 and plan.micro_batch == result.max_micro_batch  # the answer, accumulated
     device = BudgetDevice(result.budget_bytes, result.limit_bytes)
-    # Two epochs' worth of samples: two optimizer steps, the second with the optimizer's state alive.
+    # A second window (10 samples: 2 micro-steps) trains with the optimizer's state alive: its second
+    # micro-step is the step the probe's accumulating trial peaks in.
     assert "torch.randint(0, 4096, (100, 129))" in BLOCK
-    block = BLOCK.replace("(100, 129)", "(200, 129)")
+    block = BLOCK.replace("(100, 129)", "(110, 129)")
     script = "with budget_device.active():\n" + textwrap.indent(block, "    ")
     exec(compile(script, "<readme>", "exec"), {"__name__": "__main__", "budget_device": device})
     peak = device.peak_allocated_bytes()
-    dataset = rounded(200 * 129 * 8)  # the block's tokens: int64[200, 129]
+    dataset = rounded(110 * 129 * 8)  # the block's tokens: int64[110, 129]
     probe_peak = max(t.peak_allocated_bytes for t in result.trials if t.batch == plan.micro_batch and t.micro_steps > 1)
     # The loader's micro-batch is two stacked tensors; the workload's worst case, two views of one.
     x = torch.zeros(plan.micro_batch, 128, dtype=torch.int64)
