@@ -84,6 +84,29 @@ class Server:
             raise AssertionError(f"server did not stop within {timeout} s after {sig}:\n{self.output()}") from None
 
 
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid`: its children, theirs, and so on."""
+    found: set[int] = set()
+    pending = [pid]
+    while pending:
+        for child in children_of(pending.pop()):
+            if child not in found:
+                found.add(child)
+                pending.append(child)
+    return found
+
+
+def gated_registry(log: Path, gate: Path) -> str:
+    """A workloads.toml registering `gated` (tests.lock_workloads): its probes log to `log` and wait
+    while `gate` exists."""
+    return (
+        "[workloads.gated]\n"
+        'target = "tests.lock_workloads:gated"\n'
+        f'options = {{ log = "{log}", gate = "{gate}" }}\n'
+        "max_batch = 16\n"
+    )
+
+
 def children_of(pid: int) -> list[int]:
     return children_of_each([pid])[pid]
 

@@ -21,18 +21,9 @@ from typing import Any
 from autotune.client import AutotuneClient
 from autotune.engine import lock
 from autotune.store import Store
-from tests.serving import alive, children_of, metric, start_server, wait_for
+from tests.serving import alive, children_of, gated_registry, metric, start_server, wait_for
 
 QUERY = {"workload": "gated", "effective_batch": 32, "device": "cpu"}
-
-
-def _registry(log: Path, gate: Path) -> str:
-    return (
-        "[workloads.gated]\n"
-        'target = "tests.lock_workloads:gated"\n'
-        f'options = {{ log = "{log}", gate = "{gate}" }}\n'
-        "max_batch = 16\n"
-    )
 
 
 def test_kill_9_of_the_worker_running_a_probe_fails_no_waiting_client(
@@ -41,7 +32,7 @@ def test_kill_9_of_the_worker_running_a_probe_fails_no_waiting_client(
     log, gate = tmp_path / "batches.jsonl", tmp_path / "gate"
     gate.touch()  # the probe waits at its first batch until the test has killed its worker
     server = start_server(
-        tmp_path / "node", db=postgres_db, workloads=_registry(log, gate), workers=2, startup_timeout=120
+        tmp_path / "node", db=postgres_db, workloads=gated_registry(log, gate), workers=2, startup_timeout=120
     )
     answers: list[Any] = [None] * 4
     asked = threading.Semaphore(0)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from autotune.cli import interrupts
-from tests.serving import ROOT, alive, children_of, start_server
+from tests.serving import ROOT, alive, descendants, start_server
 
 AUTOTUNE = str(Path(sys.executable).parent / "autotune")
 PROBE = ("probe", "tests.signal_workloads:slow", "--device", "cpu", "--memory", "64MiB", "--max-batch", "2")
@@ -60,14 +60,7 @@ class _Command:
             self.text += chunk.decode(errors="replace")
 
     def descendants(self) -> set[int]:
-        found: set[int] = set()
-        pending = [self.proc.pid]
-        while pending:
-            for child in children_of(pending.pop()):
-                if child not in found:
-                    found.add(child)
-                    pending.append(child)
-        return found
+        return descendants(self.proc.pid)
 
     def interrupt(self, *signals: signal.Signals, apart: float = 0.05) -> float:
         """Send the signals (`apart` seconds between them); the seconds from the first to the exit."""

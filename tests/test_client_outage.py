@@ -31,7 +31,7 @@ import httpx
 import pytest
 
 from autotune.engine import lock
-from tests.serving import ROOT, children_of_each, start_server, wait_for
+from tests.serving import ROOT, children_of_each, gated_registry, start_server, wait_for
 
 # Every answer the client gets, on its stderr ("answer 503 store_unavailable", "answer ConnectError"),
 # and its plan and where it came from on stdout.
@@ -91,15 +91,6 @@ def _stop(server: Any) -> None:
     pg_ctl(["-w", "-m", "fast", "stop"], pgdata=server.pgdata, user=server.system_user, timeout=60)
 
 
-def _registry(log: Path, gate: Path) -> str:
-    return (
-        "[workloads.gated]\n"
-        'target = "tests.lock_workloads:gated"\n'
-        f'options = {{ log = "{log}", gate = "{gate}" }}\n'
-        "max_batch = 16\n"
-    )
-
-
 def _client_env() -> dict[str, str]:
     # The test's device lock directory too: a local probe would meet the service's on its lock.
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_") or k == "AUTOTUNE_LOCK_DIR"}
@@ -113,7 +104,7 @@ def _answers(path: Path) -> list[str]:
 def test_a_store_outage_during_a_probe_starts_no_local_probe(tmp_path: Path, own_postgres: Any) -> None:
     log, gate = tmp_path / "batches.jsonl", tmp_path / "gate"
     gate.touch()  # the service's probe waits at its first batch until the test lets it go
-    server = start_server(tmp_path / "node", db=own_postgres.get_uri(), workloads=_registry(log, gate))
+    server = start_server(tmp_path / "node", db=own_postgres.get_uri(), workloads=gated_registry(log, gate))
     clients: list[subprocess.Popen[bytes]] = []
     errs = [tmp_path / f"client-{n}.err" for n in range(4)]
     children: dict[int, set[int]] = {}

@@ -14,20 +14,9 @@ from pathlib import Path
 
 from autotune.engine import lock
 from autotune.errors import DeviceBusyError
-from tests.serving import ROOT, alive, children_of, start_server, wait_for
+from tests.serving import ROOT, alive, children_of, descendants, start_server, wait_for
 
 GRACE = 1.0  # seconds after the kill by which every process of the probe must be gone
-
-
-def _descendants(pid: int) -> set[int]:
-    found: set[int] = set()
-    pending = [pid]
-    while pending:
-        for child in children_of(pending.pop()):
-            if child not in found:
-                found.add(child)
-                pending.append(child)
-    return found
 
 
 def _confirming(marker: Path, timeout: float = 180) -> int:
@@ -86,7 +75,7 @@ def test_kill_9_of_a_cli_probe_during_confirmation_leaves_nothing(tmp_path: Path
     )
     try:
         confirming = _confirming(marker)
-        family = _descendants(cli.pid)
+        family = descendants(cli.pid)
         assert confirming in family and len(family) >= 2  # the fork server and its confirmation run
         left = _kill_and_watch(cli.pid, family)
     finally:
@@ -112,8 +101,8 @@ def test_kill_9_of_a_service_worker_during_confirmation_leaves_nothing(tmp_path:
             submitted = http.post("/v1/probes", json={"workload": "hangs", "device": "cpu"})
             assert submitted.status_code == 202, submitted.text
         confirming = _confirming(marker)
-        (worker,) = [w for w in children_of(server.process.pid) if confirming in _descendants(w)]
-        family = _descendants(worker)
+        (worker,) = [w for w in children_of(server.process.pid) if confirming in descendants(w)]
+        family = descendants(worker)
         assert len(family) >= 2  # the fork server and its confirmation run
         left = _kill_and_watch(worker, family)
         assert not left, left
