@@ -185,9 +185,13 @@ COMMANDS_RUN_BY = {
     ("docs/estimate.md", None): "tests/test_estimate.py",
     ("docs/parallel.md", None): "tests/test_parallel.py",
     ("docs/accumulation.md", "Mixed GPU types"): "tests/test_mixed_plan.py",
+    ("docs/checkpointing.md", "Choosing it with the micro-batch"): "tests/test_checkpointing.py",
 }
 # (page, command without its comment) -> why no test runs it.
 NOT_RUN = {
+    ("docs/measurements.md", ".venv/bin/python bench/cost.py --runs 3"): (
+        "a benchmark of wall seconds (a measurement, dated): each run is a real probe's process"
+    ),
     ("docs/measurements.md", ".venv/bin/python bench/gradient_check.py --runs 3"): (
         "a benchmark of wall and CPU seconds (a measurement, dated); tests/test_gradient_check_samples.py runs the "
         "same Trainer example through the check"
@@ -197,6 +201,20 @@ NOT_RUN = {
     ),
     ("docs/measurements.md", "make bench"): (
         "the benchmark itself (7 minutes); tests/test_readme_figures.py reruns its deterministic rows"
+    ),
+    (
+        "docs/checkpointing.md",
+        "autotune probe gpt --device cpu --memory 256MiB --effective-batch 256 --checkpointing auto --json",
+    ): (
+        "a measurement (dated, 29 s: over the suite's budget); tests/test_checkpointing.py runs the same command on a "
+        "smaller gpt at 24 MiB and checks the same claims"
+    ),
+    (
+        "docs/checkpointing.md",
+        "OMP_NUM_THREADS=1 .venv/bin/python bench/checkpointing.py --json bench/results/checkpointing.json",
+    ): (
+        "a benchmark of samples per second (a measurement, dated: 90 s); each of its rows is an `autotune probe "
+        "--checkpointing auto` as tests/test_checkpointing.py runs one"
     ),
     ("docs/measurements.md", "OMP_NUM_THREADS=1 .venv/bin/python bench/allocator_vs_h100.py"): (
         "a measurement against H100 records outside the repository (8 minutes); tests/test_allocator_vs_h100.py "
