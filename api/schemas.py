@@ -35,6 +35,9 @@ MAX_STEPS = 20  # training steps per trial: 2 reach the steady state, a few more
 MAX_WAIT = 60.0  # seconds a plan query may block; clients loop for longer waits
 MAX_SIZE = 2**53  # bytes (8 PiB): a byte count as JSON numbers carry it exactly
 DEVICE_PATTERN = r"^(cpu|cuda|cuda:[0-9]{1,3})$"
+# An activation-checkpointing setting (none, full, every=K), auto, or a list of settings.
+_SETTING = "(none|full|every=[1-9][0-9]{0,2})"
+CHECKPOINTING_PATTERN = rf"^(auto|{_SETTING}(,{_SETTING}){{0,7}})$"
 # A GPU model as NVML and torch name it ("NVIDIA A100-SXM4-40GB", "NVIDIA H100 80GB HBM3"), or part of it.
 MODEL_NAME = r"[A-Za-z0-9]([A-Za-z0-9 ._()+/-]{0,98}[A-Za-z0-9)])?"
 GROUP_DEVICE_PATTERN = rf"^(cuda:[0-9]{{1,3}}|{MODEL_NAME})$"
@@ -237,6 +240,13 @@ class PlanQuery(_ParallelFields, _MemoryFields):
     optimizer: Literal["sgd", "adam", "adamw"] | None = None
     wait: float = Field(
         default=0.0, ge=0, le=MAX_WAIT, allow_inf_nan=False, description="Seconds to wait for a probe to finish."
+    )
+    checkpointing: str | None = Field(
+        default=None,
+        pattern=CHECKPOINTING_PATTERN,
+        description="Activation checkpointing of the model's repeated blocks: none, full or every=K (a setting), or "
+        "auto (none and full) or a list (none,every=2,full): the probe times each setting's plan for this "
+        "effective batch and the plan runs with the fastest; the answer says which (`checkpointing`).",
     )
 
 
@@ -442,6 +452,14 @@ class ProbeView(BaseModel):
     )
 
 
+class PlanCheckpointing(BaseModel):
+    """The activation checkpointing a plan runs with (a plan query that asked for it)."""
+
+    setting: str = Field(description="none, full or every=K: what the job sets (the Trainer: gradient_checkpointing).")
+    reason: str | None = Field(default=None, description="With a choice among settings: why this one won.")
+    candidates: list[str] = Field(default_factory=list, description="The settings compared (a choice).")
+
+
 class PlanView(BaseModel):
     """`GET /v1/plan` with a stored result: the plan and what it was made from."""
 
@@ -458,6 +476,9 @@ class PlanView(BaseModel):
         description="The stored result's answers, each with the loop it was verified for and whether a fresh "
         "process confirmed it; `status` is not 'confirmed' for a result whose answers were not run again or did "
         "not repeat there (the client refuses such a plan unless asked to allow it)."
+    )
+    checkpointing: PlanCheckpointing | None = Field(
+        default=None, description="Only for a query with `checkpointing`: the setting the plan runs with."
     )
 
 

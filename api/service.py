@@ -29,14 +29,15 @@ from api.devices import DeviceCatalog, read_inventory
 from api.errors import ServiceDrainingError, ServiceStartingError
 from api.jobs import ProbeManager, Runner
 from api.metrics import Metrics
-from api.schemas import PlanView, ProbeView
+from api.schemas import PlanCheckpointing, PlanView, ProbeView
 from autotune.engine.probe import ProbeRequest
 from autotune.errors import PlanError
 from autotune.plans.plan import Plan, Policy, plan
+from autotune.request import checkpointing_candidates
 from autotune.results import ParallelSpec, ProbeResult
 from autotune.settings import Settings
 from autotune.store import JobRecord, Store, StoredResult, StoreError, Submitted
-from autotune.workloads.probekey import ProbeKey, key_for_request
+from autotune.workloads.probekey import ProbeKey, checkpointing_key, key_for_request
 from autotune.workloads.registry import RegisteredWorkload, Registry, load_registry
 
 log = logging.getLogger(__name__)
@@ -217,11 +218,20 @@ class Service:
         max_batch: int | None = None,
         granularity: int | None = None,
         parallel: ParallelSpec | None = None,
+        checkpointing: str | None = None,
+        plan_for: tuple[int, int, Policy] | None = None,
     ) -> Resolved:
-        """Raises UnknownWorkloadError (404), NoDeviceError (503) or ConfigError (422)."""
+        """Raises UnknownWorkloadError (404), NoDeviceError (503) or ConfigError (422).
+
+        `checkpointing`: a setting, or a choice among settings (auto), which is made for the plan
+        `plan_for` (effective batch, world size, policy): the fastest setting depends on it."""
         spec = parallel or ParallelSpec()
+        choosing = checkpointing is not None and len(checkpointing_candidates(checkpointing)) > 1
+        if not choosing:
+            plan_for = None
         memo_key = (
-            workload, device, memory, budget, headroom, precision, optimizer, steps, max_batch, granularity, spec
+            workload, device, memory, budget, headroom, precision, optimizer, steps, max_batch, granularity, spec,
+            checkpointing, plan_for,
         )  # fmt: skip
         found = self._resolved.get(memo_key)
         if found is not None:
@@ -242,6 +252,7 @@ class Service:
             max_batch=max_batch,
             granularity=granularity,
             parallel=spec,
+            checkpointing=checkpointing_key(checkpointing, *(plan_for or (None, 1, ""))),
         )
         # Everything explicit, so that the child's own AUTOTUNE_* defaults cannot make it probe
         # something other than what the key says.
@@ -261,7 +272,12 @@ class Service:
             parallel=spec.strategy,
             world_size=spec.world_size,
             reshard_after_forward=spec.reshard_after_forward,
+            checkpointing=checkpointing,
         )
+        if plan_for is not None:  # the choice is made for this plan: the probe times it
+            request = request.model_copy(
+                update={"effective_batch": plan_for[0], "world_size": plan_for[1], "policy": plan_for[2]}
+            )
         resolved = Resolved(entry=entry, device=device_id, key=key, digest=key.digest(), request=request)
         self._resolved[memo_key] = resolved
         while len(self._resolved) > 1024:
@@ -354,12 +370,26 @@ class Service:
                     parallel=result.workload.parallel,
                     plan=made,
                     verdict=result.model_copy(update={"plan": made}).verdict,
+                    checkpointing=_checkpointing(resolved, result),
                 )
-                .model_dump_json()
+                .model_dump_json(exclude=None if resolved.request.checkpointing else {"checkpointing"})
                 .encode()
             )
             self.plans.put(memo, body)
         return body
+
+
+def _checkpointing(resolved: Resolved, result: ProbeResult) -> PlanCheckpointing | None:
+    """What the plan runs with, for a query that asked for checkpointing: the setting, and with a
+    choice among settings why it was chosen."""
+    if resolved.request.checkpointing is None:
+        return None
+    choice = result.checkpointing
+    return PlanCheckpointing(
+        setting=result.workload.checkpointing or "none",
+        reason=None if choice is None else choice.reason,
+        candidates=[] if choice is None else [c.setting for c in choice.candidates],
+    )
 
 
 def check_plan(effective_batch: int, world_size: int, policy: Policy) -> None:

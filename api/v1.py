@@ -178,6 +178,8 @@ def _resolve_query(svc: Service, query: PlanQuery | RunFailureReport) -> Resolve
         precision=query.precision,
         optimizer=query.optimizer,
         parallel=query.parallel_spec(),
+        checkpointing=getattr(query, "checkpointing", None),
+        plan_for=(query.effective_batch, query.world_size, query.policy) if isinstance(query, PlanQuery) else None,
     )
 
 

@@ -48,6 +48,7 @@ from types import TracebackType
 from typing import Any, Literal
 
 import httpx
+from pydantic import Field
 
 from autotune import errors
 from autotune.plans.accumulate import ShrinkEvent
@@ -82,6 +83,32 @@ class _Down(errors.ServiceUnavailableError):
 
 class _Degraded(errors.ServiceUnavailableError):
     """The service is up but kept answering 503 with its own code until the deadline: no fallback."""
+
+
+class CheckpointedPlan(Plan):
+    """A plan that runs with an activation-checkpointing setting (`AutotuneClient.plan(...,
+    checkpointing=...)`): its micro-batch was verified with that setting, so the job must set it."""
+
+    checkpointing: str = Field(description="none, full or every=K (every K-th repeated block).")
+
+    def apply(self, job: Any) -> Any:
+        """Set this plan's checkpointing on `job` and return it: a Hugging Face Trainer or its
+        `TrainingArguments` (`gradient_checkpointing`, or `activation_checkpointing` where the
+        Trainer has it: `set_trainer_checkpointing`), a `Workload` (a copy with the setting: a
+        Workload is frozen) or a model (`autotune.workloads.checkpointing.apply` on its repeated blocks)."""
+        setting = self.checkpointing
+        if hasattr(getattr(job, "args", job), "gradient_checkpointing"):
+            from autotune.integrations.transformers import set_trainer_checkpointing
+
+            set_trainer_checkpointing(job, setting)
+            return job
+        from autotune.workloads import checkpointing
+        from autotune.workloads.workload import Workload
+
+        if isinstance(job, Workload):
+            return job.with_checkpointing(setting)
+        checkpointing.apply(job, setting)
+        return job
 
 
 class AutotuneClient:
@@ -145,10 +172,14 @@ class AutotuneClient:
         fallback: Fallback = "error",
         wait_for_device: bool = True,
         allow_unconfirmed: bool = False,
+        checkpointing: str | None = None,
     ) -> Plan:
         """The plan for `effective_batch` samples per optimizer step over `world_size` ranks.
         `parallel`: how the job runs the model across its ranks (none, ddp, or fsdp: FSDP2 over
-        `world_size` ranks); the micro-batch is per rank of such a job.
+        `world_size` ranks); the micro-batch is per rank of such a job. `checkpointing`: the
+        activation checkpointing of the model's repeated blocks, a setting (none, full, every=K) or
+        auto (the fastest plan of none and full, as measured): the plan is then a `CheckpointedPlan`,
+        whose `checkpointing` says the setting it runs with and whose `apply(...)` sets it on the job.
 
         Waits up to `timeout` seconds for a probe the service runs, and for a degraded service
         (503 with its own code: the store is down, it is starting or shutting down). Raises
@@ -166,6 +197,8 @@ class AutotuneClient:
         options = {"device": device, "memory": memory, "headroom": headroom, "precision": precision}
         params.update({k: v for k, v in {**options, "optimizer": optimizer}.items() if v is not None})
         params.update(_parallel_fields(parallel, reshard_after_forward))
+        if checkpointing is not None:
+            params["checkpointing"] = checkpointing
         try:
             made = self._plan_from_service(params, timeout, allow_unconfirmed)
         except _Down as exc:
@@ -173,6 +206,7 @@ class AutotuneClient:
                 raise
             log.warning("autotune service unavailable (%s): probing %s in this job", exc, workload)
             local = {**options, "optimizer": optimizer, **_parallel_fields(parallel, reshard_after_forward)}
+            local["checkpointing"] = checkpointing
             made = self._local_plan(
                 workload, effective_batch, world_size, policy, local, wait_for_device, allow_unconfirmed
             )
@@ -354,7 +388,17 @@ class AutotuneClient:
             if response.status_code == 200:
                 if "verdict" in answer:  # (a service older than the verdict does not say)
                     _check_confirmed(params["workload"], Verdict.model_validate(answer["verdict"]), allow_unconfirmed)
-                return Plan.model_validate(answer["plan"])
+                made = Plan.model_validate(answer["plan"])
+                if "checkpointing" not in params:
+                    return made
+                setting = (answer.get("checkpointing") or {}).get("setting")
+                if setting is None:
+                    raise errors.ServiceError(
+                        "the service's plan does not say which activation checkpointing it runs with (a service "
+                        "older than checkpointing?): upgrade it, or ask without checkpointing=",
+                        status_code=response.status_code,
+                    )
+                return CheckpointedPlan(**made.model_dump(), checkpointing=setting)
             probe = answer.get("probe") or {}
             if response.status_code == 409 and not self._ask_again(probe, deadline):
                 raise _probe_error(probe, answer.get("detail"))
@@ -417,13 +461,16 @@ class AutotuneClient:
                 effective_batch=effective_batch,
                 world_size=world_size,
                 policy=policy,
+                checkpointing=options.get("checkpointing"),
             )
         except ValueError as exc:  # pydantic's ValidationError
             raise errors.ConfigError(f"cannot probe {workload!r} locally: {exc}") from None
         result = probe_and_confirm(request, timeout=settings.probe_timeout, wait_for_device=wait_for_device)
         assert result.plan is not None  # the request had an effective batch
         _check_confirmed(workload, result.verdict, allow_unconfirmed)
-        return result.plan
+        if request.checkpointing is None:
+            return result.plan
+        return CheckpointedPlan(**result.plan.model_dump(), checkpointing=result.workload.checkpointing or "none")
 
     def _send(
         self,

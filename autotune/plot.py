@@ -34,6 +34,8 @@ PART_COLORS = ("tab:gray", "tab:olive", "tab:brown", "tab:cyan")
 # micro-step, accumulation, then any loop a framework's plan was settled in); marker shapes tell
 # the loops apart without colour too.
 LOOP_STYLES = (("tab:blue", "o"), ("tab:green", "s"), ("tab:purple", "^"), ("tab:pink", "D"))
+# The colours of the checkpointing settings compared and not chosen (`--checkpointing auto`).
+CANDIDATE_COLORS = ("tab:red", "tab:olive", "tab:cyan", "tab:gray")
 
 
 def require_matplotlib() -> None:
@@ -44,12 +46,12 @@ def require_matplotlib() -> None:
         raise ConfigError("plots need matplotlib: pip install 'autotune[plot]'") from None
 
 
-def _figure() -> Any:
+def _figure(width: float = 10) -> Any:
     require_matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(10, 5.6), dpi=100, layout="constrained")
+    figure = Figure(figsize=(width, 5.6), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
     return figure
 
@@ -100,7 +102,8 @@ def draw(result: ProbeResult) -> Any:
     """The result's picture as a matplotlib `Figure` (render_plot writes it). Every artist's label
     names its loop; the legend has a column per loop, headed by its name, and one for the lines
     common to both."""
-    figure = _figure()  # first: without matplotlib, the ConfigError with the install hint
+    others = 0 if result.checkpointing is None else len(result.checkpointing.candidates) - 1
+    figure = _figure(10 + 2.5 * others)  # first: without matplotlib, the ConfigError with the install hint
     from matplotlib.lines import Line2D
     from matplotlib.ticker import MaxNLocator
 
@@ -154,6 +157,7 @@ def draw(result: ProbeResult) -> Any:
         words = f"answer {found}" + (" (capped)" if capped else "")
         column.append((ax.axvline(found, color=color, linestyle=":", linewidth=1.5, label=f"{name}: {words}"), words))
         said.append(f"{found} {name}")
+    columns += _draw_candidates(ax, result, blank)
     budget = ax.axhline(_mib(result.budget_bytes), color="black", linestyle="-", linewidth=1, label="budget")
     limit = ax.axhline(
         _mib(result.limit_bytes),
@@ -163,7 +167,9 @@ def draw(result: ProbeResult) -> Any:
         label=f"limit (budget − headroom {format_bytes(result.headroom_bytes)})",
     )
     columns.append([(blank, ""), (budget, "budget"), (limit, str(limit.get_label()))])
-    ax.set_title(f"{result.workload.target} on {result.device.name}: {', '.join(said)}", fontsize=10)
+    setting = result.workload.checkpointing or ("none" if result.checkpointing is not None else None)
+    chosen = "" if setting is None else f"\ncheckpointing {setting}{' (chosen)' if result.checkpointing else ''}"
+    ax.set_title(f"{result.workload.target} on {result.device.name}: {', '.join(said)}{chosen}", fontsize=10)
     ax.set_xlabel("micro-batch size")
     ax.set_ylabel("peak memory (MiB)")
     ax.set_xlim(left=0)
@@ -185,6 +191,41 @@ def draw(result: ProbeResult) -> Any:
     for text in legend.get_texts()[::rows][:-1]:  # each loop's heading
         text.set_fontweight("bold")
     return figure
+
+
+def _draw_candidates(ax: Any, result: ProbeResult, blank: Any) -> list[list[tuple[Any, str]]]:
+    """Each checkpointing setting compared and not chosen (`--checkpointing auto`), a colour each: its
+    trials' peaks (a marker per loop, as the chosen setting's) and its accumulating answer; a legend
+    column each."""
+    choice = result.checkpointing
+    if choice is None:
+        return []
+    columns: list[list[tuple[Any, str]]] = []
+    others = [c for c in choice.candidates if c.setting != choice.chosen]
+    for c, color in zip(others, CANDIDATE_COLORS, strict=False):
+        name = f"checkpointing {c.setting}"
+        column: list[tuple[Any, str]] = [(blank, name)]
+        for accumulates, (_, marker) in ((False, LOOP_STYLES[0]), (True, LOOP_STYLES[1])):
+            trials = [t for t in c.trials if t.fits and (t.micro_steps > 1) == accumulates]
+            if trials:
+                loop = "with accumulation" if accumulates else "without accumulation"
+                points = ax.scatter(
+                    [t.batch for t in trials],
+                    [_mib(t.peak_reserved_bytes) for t in trials],
+                    color=color,
+                    marker=marker,
+                    zorder=3,
+                    label=f"{name}: trial fits {loop}",
+                )
+                column.append((points, f"trial fits {loop}"))
+        if c.max_micro_batch is not None:
+            words = f"answer {c.max_micro_batch} with accumulation"
+            line = ax.axvline(c.max_micro_batch, color=color, linestyle="-.", linewidth=1.5, label=f"{name}: {words}")
+            column.append((line, words))
+        else:
+            column.append((blank, "none fits" if c.reason else "no accumulating answer"))
+        columns.append(column)
+    return columns
 
 
 def _draw_breakdown(ax: Any, result: ProbeResult, breakdown: MemoryBreakdown) -> None:

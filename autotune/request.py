@@ -102,6 +102,13 @@ class ProbeRequest(BaseModel):
         description="ddp: the model in DistributedDataParallel; fsdp: FSDP2 over world_size ranks, rank 0 simulated.",
     )
     reshard_after_forward: bool = Field(default=True, description="FSDP: free gathered parameters after forward.")
+    checkpointing: str | None = Field(
+        default=None,
+        max_length=200,
+        description="Activation checkpointing of the model's repeated blocks: none, full or every=K (every K-th "
+        "block) probes that setting; auto probes none and full and chooses the fastest plan that fits (a list, "
+        "none,every=2,full, chooses among those). Default: the workload as configured.",
+    )
 
     def confirmation_steps(self, device_kind: str) -> int:
         """The optimizer steps of each confirmation run: `confirm_steps`, else 20 on CUDA (the
@@ -118,6 +125,23 @@ class ProbeRequest(BaseModel):
     @classmethod
     def _size(cls, value: object) -> object:
         return parse_size(value) if isinstance(value, str) else value
+
+    @field_validator("checkpointing")
+    @classmethod
+    def _checkpointing(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            candidates = checkpointing_candidates(value)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return ",".join(candidates) if len(candidates) > 1 else candidates[0]
+
+    def checkpointing_settings(self) -> list[str] | None:
+        """The settings a probe chooses among (two or more), or None for one setting (or none asked)."""
+        if self.checkpointing is None or "," not in self.checkpointing:
+            return None
+        return self.checkpointing.split(",")
 
     @field_validator("headroom", mode="before")
     @classmethod
@@ -137,6 +161,44 @@ class ProbeRequest(BaseModel):
         if self.search == "predict" and self.start_batch != 1:
             raise ValueError("start_batch is for search='plain': the predicted search starts from its timeline trials")
         return self
+
+
+# `--checkpointing auto`: the settings compared, least checkpointing first (ties go to it).
+AUTO_CHECKPOINTING = ("none", "full")
+
+
+def parse_checkpointing(text: str) -> str:
+    """One activation-checkpointing setting, normalized: none, full or every=K (K >= 2; every=1 is
+    full). A ConfigError names what is wrong."""
+    value = text.strip().lower().replace(" ", "")
+    if value in ("none", "full"):
+        return value
+    if value.startswith("every="):
+        number = value.removeprefix("every=")
+        if number.isascii() and number.isdigit() and int(number) >= 1:
+            return "full" if int(number) == 1 else f"every={int(number)}"
+    raise ConfigError(
+        f"checkpointing {text!r} is not a setting: use none, full, every=K (every K-th repeated block, K >= 1) or auto"
+    )
+
+
+def checkpointing_level(setting: str) -> float:
+    """How much a setting checkpoints (the share of blocks): none 0, every=K 1/K, full 1."""
+    setting = parse_checkpointing(setting)
+    if setting == "none":
+        return 0.0
+    return 1.0 if setting == "full" else 1 / int(setting.removeprefix("every="))
+
+
+def checkpointing_candidates(text: str) -> list[str]:
+    """The settings `text` asks for, least checkpointing first: one setting, `auto`
+    (AUTO_CHECKPOINTING) or a comma-separated list of settings."""
+    if text.strip().lower() == "auto":
+        return list(AUTO_CHECKPOINTING)
+    settings = {parse_checkpointing(part) for part in text.split(",") if part.strip()}
+    if not settings:
+        raise ConfigError("checkpointing is empty: use none, full, every=K or auto")
+    return sorted(settings, key=checkpointing_level)
 
 
 def parallel_spec(

@@ -256,6 +256,11 @@ class WorkloadRef(BaseModel):
         description="What the batch was made of: sizes, or the worst-case samples of the job's data and their shapes.",
     )
     parallel: ParallelSpec = Field(default_factory=ParallelSpec, description="The parallel setup a rank was probed in.")
+    checkpointing: str | None = Field(
+        default=None,
+        description="The activation checkpointing the model ran with: full or every=K (every K-th repeated block); "
+        "None for none.",
+    )
 
 
 class Versions(BaseModel):
@@ -291,6 +296,11 @@ class Prediction(BaseModel):
     )
     fallback_reason: str | None = None
     curve: list[CurvePoint] = Field(default_factory=list, description="Predicted peak bytes by batch size.")
+    seeded_from: str | None = Field(
+        default=None,
+        description="A prediction made without timeline trials of its own (the accumulating loop of a later "
+        "setting under --checkpointing auto): what it was made from.",
+    )
 
 
 class ThroughputCandidate(BaseModel):
@@ -418,6 +428,49 @@ class AllocatorComparison(BaseModel):
     trials: int = Field(ge=0, description="Trials the second probe ran.")
 
 
+class CheckpointingCandidate(BaseModel):
+    """One activation-checkpointing setting a probe compared: its answers, its plan and the plan's
+    measured speed (`--checkpointing auto`)."""
+
+    setting: str = Field(description="none, full or every=K (every K-th repeated block).")
+    max_micro_batch: int | None = Field(default=None, description="The answer with accumulation, as searched.")
+    max_micro_batch_without_accumulation: int | None = None
+    answers: list[LoopAnswer] = Field(default_factory=list, description="Each loop shape searched, and its answer.")
+    plan: Plan | None = None
+    micro_batch: int | None = Field(default=None, description="The micro-batch timed: the plan's (else the answer).")
+    accumulation_steps: int | None = Field(default=None, description="The plan's micro-steps per optimizer step.")
+    step_seconds: float | None = Field(default=None, description="Measured seconds per micro-step at micro_batch.")
+    seconds: float | None = Field(
+        default=None, description="Seconds per optimizer step (accumulation steps x step time), or per sample."
+    )
+    samples_per_second: float | None = Field(
+        default=None, description="The plan's measured samples per second: effective batch / seconds per step."
+    )
+    peak_bytes: int | None = Field(default=None, description="Peak (reserved) bytes of the timed trial.")
+    trials: list[TrialRecord] = Field(default_factory=list, description="This setting's trials, in order.")
+    fingerprint: str | None = None
+    reason: str | None = Field(default=None, description="Why this setting has no answer (nothing fits).")
+
+
+class CheckpointingChoice(BaseModel):
+    """The activation-checkpointing setting chosen with the micro-batch: every candidate, and why the
+    chosen one won (the fastest measured samples per second; within `tie_tolerance` of the fastest, the
+    one with less checkpointing). The result's answers, plan and trials are the chosen setting's."""
+
+    chosen: str
+    basis: Literal["optimizer-step", "sample"] = Field(
+        description="optimizer-step: each plan's time for the effective batch; sample: the answer's samples/s."
+    )
+    tie_tolerance: float = Field(description="Speeds this close to the fastest (a fraction) are a tie.")
+    candidates: list[CheckpointingCandidate]
+    reason: str = Field(description="Why the chosen setting won, in words.")
+
+    @property
+    def trials(self) -> int:
+        """Trials of every setting compared."""
+        return sum(len(c.trials) for c in self.candidates)
+
+
 class JobBatch(BaseModel):
     """A framework job's batch settings: what each device's loader gives one micro-step, how many
     micro-steps make an optimizer step, and over how many processes."""
@@ -532,6 +585,11 @@ class ProbeResult(BaseModel):
     )
     framework: FrameworkTuning | None = Field(
         default=None, description="Set by the framework integrations: the job's batch, kept or changed, and the check."
+    )
+    checkpointing: CheckpointingChoice | None = Field(
+        default=None,
+        description="With --checkpointing auto (or a list of settings): each setting compared and the one chosen; "
+        "the answers, plan and trials above are the chosen setting's.",
     )
     versions: Versions
     created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))

@@ -109,6 +109,10 @@ def plain_loop(job: dict[str, Any]) -> dict[str, Any]:
     try:
         with budget.active() if budget is not None else _nothing():
             model = workload.build_model().to(device)
+            if job.get("checkpointing"):  # the activation checkpointing the answer was probed with
+                from autotune.workloads import checkpointing
+
+                checkpointing.apply(model, job["checkpointing"])
             model.train()
             optimizer = workload.make_optimizer(model.parameters())
             for step in range(1, job["steps"] + 1):  # noqa: B007 - read by the except clause
@@ -232,6 +236,7 @@ def truth(
                 "micro_steps": micro_steps,
                 "steps": steps,
                 "allocator": allocator,
+                "checkpointing": result["workload"].get("checkpointing"),
             }
             outcome = run(job, env)
             expected = batch == answer

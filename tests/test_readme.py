@@ -207,7 +207,7 @@ NOT_RUN = {
         "autotune probe gpt --device cpu --memory 256MiB --effective-batch 256 --checkpointing auto --json",
     ): (
         "a measurement (dated, 29 s: over the suite's budget); tests/test_checkpointing.py runs the same command on a "
-        "smaller gpt at 24 MiB and checks the same claims"
+        "smaller gpt at 10 MiB and checks the same claims"
     ),
     (
         "docs/checkpointing.md",

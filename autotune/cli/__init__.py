@@ -19,6 +19,7 @@ once, and an output path that cannot be written is refused before the probe, not
     plan       `autotune plan`           summary   the words of a result, a plan, an estimate
     estimate   `autotune estimate`       service   `autotune serve` and `autotune devices`
     inventory  the devices table         interrupts  Ctrl-C and SIGTERM, for the whole command
+    checkpointing  the words of --checkpointing auto's choice: each setting compared, and why
 
 May import everything in `autotune`; `api` only in `serve` (it starts the service).
 """

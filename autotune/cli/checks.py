@@ -93,6 +93,19 @@ def allocator_config_flag(text: str | None, flag: str = "--allocator-config") ->
     return text
 
 
+def checkpointing_flag(text: str | None) -> str | None:
+    """--checkpointing: one setting, auto, or a comma-separated list of settings."""
+    if text is None:
+        return None
+    from autotune.request import checkpointing_candidates  # no torch
+
+    try:
+        checkpointing_candidates(text)
+    except ConfigError as exc:
+        raise ConfigError(f"--checkpointing: {exc}") from None
+    return text
+
+
 def check_options(pairs: list[str] | None) -> list[str]:
     """The -o pairs, checked as autotune.workloads.workload.parse_options will parse them (it imports torch)."""
     for pair in pairs or []:

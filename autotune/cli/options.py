@@ -231,6 +231,15 @@ ParallelOption = Annotated[
         "measured) or fsdp (FSDP2 over --world-size ranks: rank 0 simulated on this one device).",
     ),
 ]
+CheckpointingOption = Annotated[
+    str | None,
+    typer.Option(
+        metavar="none|full|every=K|auto",
+        help="Activation checkpointing of the model's repeated blocks: none, full or every=K (every K-th block) "
+        "probes that setting; auto probes none and full and plans with the fastest measured one that fits (a "
+        "list, none,every=2,full, chooses among those).  " + default_note("the workload as configured"),
+    ),
+]
 ReshardOption = Annotated[
     bool,
     typer.Option(

@@ -22,6 +22,7 @@ from autotune.cli.checks import (
     check_probe_relations,
     check_target,
     check_timeout,
+    checkpointing_flag,
     choice,
     headroom_flag,
     load_settings,
@@ -37,6 +38,7 @@ from autotune.cli.options import (
     AllocatorOption,
     BudgetOption,
     CardOption,
+    CheckpointingOption,
     CompareAllocatorOption,
     ConfirmOption,
     ConfirmStepsOption,
@@ -116,6 +118,7 @@ def probe(
     compare_allocator_config: CompareAllocatorOption = None,
     parallel: ParallelOption = "none",
     reshard_after_forward: ReshardOption = True,
+    checkpointing: CheckpointingOption = None,
     wait: WaitOption = True,
 ) -> int:
     """Probe the largest micro-batch of TARGET that fits within the budget, and plan accumulation
@@ -237,6 +240,7 @@ def _request_fields(flags: dict[str, Any]) -> dict[str, Any]:
         card=choice(flags["card"].lower() if flags["card"] else flags["card"], ("h100",), "--card"),
         allocator_config=allocator_config_flag(flags["allocator_config"]),
         compare_allocator_config=allocator_config_flag(flags["compare_allocator_config"], "--compare-allocator-config"),
+        checkpointing=checkpointing_flag(flags["checkpointing"]),
         **{
             name: flags[name]
             for name in (

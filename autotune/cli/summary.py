@@ -141,6 +141,10 @@ def print_summary(
         out.print(line)
     for line in _confirmation_lines(result):
         out.print(line, highlight=False)
+    from autotune.cli.checkpointing import checkpointing_table
+
+    for item in checkpointing_table(result):
+        out.print(item, highlight=False)
     if result.plan is not None:
         for line in plan_lines(result.plan):
             out.print(line)

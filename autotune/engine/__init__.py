@@ -6,6 +6,7 @@ child and the fresh-process confirmation, and `estimate`.
     search     which sizes to try (pure logic over a trial callable; no torch)
     predict    two timeline trials predict the answer, two more verify it
     objective  the fastest fitting micro-batch for a plan (throughput)
+    checkpointing  activation checkpointing chosen with the micro-batch: a probe per setting, the fastest plan
     probe      a probe end to end: device, workload, search, plan, result
     isolation  a probe in a fresh child process with a hard timeout
     zygote     the fork server a probe's processes come from (one torch import for all)

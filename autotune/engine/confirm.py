@@ -540,6 +540,9 @@ def _probe_and_confirm(
         from autotune.engine.isolation import run_isolated
 
         result = run_isolated(request, timeout, on_trial=on_trial, on_progress=on_progress)
+    if result.checkpointing is not None:
+        # The setting chosen among several: the fresh processes rebuild the workload with it.
+        request = request.model_copy(update={"checkpointing": result.checkpointing.chosen})
     if not request.confirm:
         return skipped(result, request)
     return confirm_answers(result, request, fresh_runner(result, request, timeout, on_progress), on_run)

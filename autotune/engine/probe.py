@@ -31,7 +31,7 @@ from autotune.devices.budget import BudgetDevice
 from autotune.devices.device import ProbeDevice
 from autotune.engine.lock import WaitCallback, device_lock
 from autotune.engine.objective import time_and_choose
-from autotune.engine.predict import predicted_search
+from autotune.engine.predict import CurveModel, largest_fitting, predicted_search
 from autotune.engine.search import SearchOutcome, nothing_fits, search, search_from_guess
 from autotune.engine.trial import TrainLoop, TrialRunner
 from autotune.errors import ConfigError, InsufficientMemoryError, NothingFitsError
@@ -50,6 +50,7 @@ from autotune.results import (
 )
 from autotune.settings import get_settings
 from autotune.units import format_bytes, headroom_bytes
+from autotune.workloads import checkpointing as activation_checkpointing
 from autotune.workloads import fingerprint
 from autotune.workloads.targets import resolve
 from autotune.workloads.workload import Workload
@@ -142,8 +143,11 @@ def load_workload(request: ProbeRequest) -> Workload:
 
 
 def as_requested(workload: Workload, request: ProbeRequest) -> Workload:
-    """`workload` with the request's precision, optimizer and parallel setup."""
+    """`workload` with the request's precision, optimizer, checkpointing and parallel setup (a request
+    that chooses among checkpointing settings leaves the workload's: each candidate is its own request)."""
     workload = workload.with_overrides(precision=request.precision, optimizer=request.optimizer)
+    if request.checkpointing_settings() is None:
+        workload = workload.with_checkpointing(request.checkpointing)
     spec = request.parallel_spec()
     if spec.strategy == "fsdp" and workload.shard is not None:
         if not spec.reshard_after_forward:
@@ -171,6 +175,7 @@ def result_fingerprint(workload: Workload, request: ProbeRequest, info: DeviceIn
         cuda_version=torch.version.cuda,
         allocator=device.allocator_config,
         parallel=workload.parallel,
+        checkpointing=workload.checkpointing,
     )
     return fingerprint.fingerprint(workload, **environment)
 
@@ -201,9 +206,37 @@ def run_probe(
     (`autotune.engine.lock`), waiting for another probe that holds it; a probe's isolated child
     runs under its parent's."""
     with device_lock(request.device):
+        settings = request.checkpointing_settings()
+        if settings is not None:
+            from autotune.engine.checkpointing import choose_checkpointing
+
+            def probe_one(one: ProbeRequest, seed: AccumulationSeed | None) -> ProbeResult:
+                return _run_probe(
+                    one,
+                    on_trial,
+                    workload=workload,
+                    train=train,
+                    on_progress=on_progress,
+                    holds_window=holds_window,
+                    seed=seed,
+                    time_plan=True,
+                )
+
+            return choose_checkpointing(request, settings, probe_one)
         return _run_probe(
             request, on_trial, workload=workload, train=train, on_progress=on_progress, holds_window=holds_window
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class AccumulationSeed:
+    """What accumulating added to one micro-step's peak at the same micro-batch in a probe of the same
+    job with another checkpointing setting (the gradients alive in the second micro-step): with this
+    setting's one-micro-step curve it predicts the accumulating answer, so that loop's search starts
+    there instead of recording timelines of its own."""
+
+    extra_bytes: int
+    setting: str
 
 
 def _run_probe(
@@ -214,6 +247,8 @@ def _run_probe(
     train: Callable[[TrialRunner], TrainLoop] | None,
     on_progress: ProgressCallback | None,
     holds_window: bool = True,
+    seed: AccumulationSeed | None = None,
+    time_plan: bool = False,
 ) -> ProbeResult:
     started = time.perf_counter()
     workload = load_workload(request) if workload is None else as_requested(workload, request)
@@ -249,13 +284,16 @@ def _run_probe(
     answers: list[LoopAnswer] = []
     trials: list[TrialRecord] = []
     outcomes: dict[int, SearchOutcome] = {}
+    curve: CurveModel | None = None  # the one-micro-step loop's predicted curve, for a seeded accumulating search
     for loop in (single, accumulating):
         before = len(ran)
         try:
             if loop.accumulates:
-                outcome, prediction = _search_below(trial_in(loop), device, request, answers[0])
+                outcome, prediction = _search_below(
+                    trial_in(loop), device, request, answers[0], seed=None if curve is None else (seed, curve)
+                )
             else:
-                outcome, prediction = _search(trial_in(loop), device, request)
+                outcome, prediction, curve = _search_modelled(trial_in(loop), device, request)
         except NothingFitsError as exc:
             if not loop.accumulates:
                 raise
@@ -294,6 +332,7 @@ def _run_probe(
             steps=request.steps,
             input_spec=dict(workload.input_spec),
             parallel=workload.parallel,
+            checkpointing=None if workload.checkpointing == "none" else workload.checkpointing,
         ),
         device=info,
         budget_policy=policy,  # type: ignore[arg-type]
@@ -322,7 +361,35 @@ def _run_probe(
     result = with_plan(result, request)
     if train is not None and holds_window:
         result = settle_plan(result, request, trial_in)
+    if time_plan:
+        result = _plan_timed(result, trial_in)
     return result.model_copy(update={"duration_seconds": time.perf_counter() - started})
+
+
+# The optimizer steps of the trial that times a plan's micro-batch for the checkpointing choice: its
+# last step is timed, and the fastest of it and the search's trial at that size is taken (one step's
+# time is noisy on a loaded machine, and load only ever slows a step down).
+TIMING_STEPS = 4
+
+
+def _plan_timed(result: ProbeResult, trial_in: Callable[[LoopShape], Callable[[int], TrialRecord]]) -> ProbeResult:
+    """The result with one more trial: its plan's micro-batch (or, without a plan, the accumulating
+    answer) in the plan's loop for TIMING_STEPS optimizer steps, timed for the checkpointing choice."""
+    made = result.plan
+    size = made.micro_batch if made is not None else result.max_micro_batch
+    if size is None:
+        return result
+    loop = plan_loop(result)
+    record = trial_in(loop.model_copy(update={"steps": max(loop.steps, TIMING_STEPS)}))(size)
+    return result.model_copy(update={"trials": [*result.trials, record]})
+
+
+def plan_loop(result: ProbeResult) -> LoopShape:
+    """The loop the result's plan runs: one micro-step, or the loop of the accumulating answer."""
+    made = result.plan
+    if made is not None and made.accumulation_steps == 1:
+        return next((a.loop for a in result.answers if not a.loop.accumulates), result.loop)
+    return result.loop
 
 
 def _kept_once_note(kept: str) -> str:
@@ -407,7 +474,10 @@ def probe_workload(
     if freeze:
         gc.freeze()
     try:
-        with device_lock(request.device, wait=wait_for_device, on_wait=on_wait):
+        with (
+            device_lock(request.device, wait=wait_for_device, on_wait=on_wait),
+            activation_checkpointing.kept_as_it_was(model),  # the settings probed are undone
+        ):
             result = run_probe(
                 request, on_trial, workload=workload, train=train, on_progress=on_progress, holds_window=holds_window
             )
@@ -434,6 +504,14 @@ def probe_workload(
 def _search(
     trial: Callable[[int], TrialRecord], device: ProbeDevice, request: ProbeRequest, cap: int | None = None
 ) -> tuple[SearchOutcome, Prediction | None]:
+    outcome, prediction, _ = _search_modelled(trial, device, request, cap)
+    return outcome, prediction
+
+
+def _search_modelled(
+    trial: Callable[[int], TrialRecord], device: ProbeDevice, request: ProbeRequest, cap: int | None = None
+) -> tuple[SearchOutcome, Prediction | None, CurveModel | None]:
+    """`_search`, with the predictor's curve when it made one."""
     cap = request.max_batch if cap is None else cap
     if request.search == "predict":
         predicted = predicted_search(
@@ -444,7 +522,7 @@ def _search(
             granularity=request.granularity,
             limit_bytes=device.limit_bytes,
         )
-        return predicted.outcome, predicted.prediction
+        return predicted.outcome, predicted.prediction, predicted.model
     outcome = search(
         trial,
         start=min(request.start_batch, cap) if cap is not None else request.start_batch,
@@ -452,11 +530,16 @@ def _search(
         granularity=request.granularity,
         limit_bytes=device.limit_bytes,
     )
-    return outcome, None
+    return outcome, None, None
 
 
 def _search_below(
-    trial: Callable[[int], TrialRecord], device: ProbeDevice, request: ProbeRequest, single: LoopAnswer
+    trial: Callable[[int], TrialRecord],
+    device: ProbeDevice,
+    request: ProbeRequest,
+    single: LoopAnswer,
+    *,
+    seed: tuple[AccumulationSeed | None, CurveModel] | None = None,
 ) -> tuple[SearchOutcome, Prediction | None]:
     """The accumulating loop, from the one-micro-step answer down. Accumulating never needs less
     memory than one micro-step (the gradients are alive in forward), so a size above that answer
@@ -465,9 +548,16 @@ def _search_below(
     request's search (the predictor's, or the plain walk down from the answer) with the answer as
     its cap. An accumulating answer above the one-micro-step answer was the allocator's placement
     luck in a few steps (5415 > 5413 on an H100, and 5415 then ran out of memory at step 3): this
-    search cannot give one."""
+    search cannot give one.
+
+    `seed`: (what accumulating added in a probe of another checkpointing setting, this setting's
+    one-micro-step curve): the answer is predicted from them and verified from there (`_seeded_below`)."""
     ceiling = single.max_micro_batch
     assert ceiling is not None  # the one-micro-step search raised otherwise
+    if seed is not None and seed[0] is not None:
+        seeded = _seeded_below(trial, device, request, single, seed[0], seed[1])
+        if seeded is not None:
+            return seeded
     first = trial(ceiling)
     if first.fits:
         return SearchOutcome(ceiling, single.capped, [first]), None
@@ -483,3 +573,36 @@ def _search_below(
         )
     # Its cap fitting is no cap of the job's: the size above it (the ceiling) failed in this loop.
     return SearchOutcome(outcome.max_micro_batch, False, [first, *outcome.trials]), prediction
+
+
+def _seeded_below(
+    trial: Callable[[int], TrialRecord],
+    device: ProbeDevice,
+    request: ProbeRequest,
+    single: LoopAnswer,
+    seed: AccumulationSeed,
+    curve: CurveModel,
+) -> tuple[SearchOutcome, Prediction] | None:
+    """The accumulating answer predicted as the largest size whose one-micro-step peak (this setting's
+    curve) plus what accumulating added under `seed.setting` fits the limit, then verified from there
+    as any prediction is (it fits, the size above does not; the one-micro-step answer is the cap).
+    None when the prediction is the one-micro-step answer itself (the plain path tries it first)."""
+    ceiling = single.max_micro_batch
+    assert ceiling is not None
+    granularity = request.granularity
+    guess = min(largest_fitting(curve, device.limit_bytes - seed.extra_bytes, ceiling), ceiling)
+    guess = guess // granularity * granularity
+    if guess >= ceiling or guess < granularity:
+        return None
+    outcome = search_from_guess(trial, guess, cap=ceiling, granularity=granularity, limit_bytes=device.limit_bytes)
+    capped = single.capped if outcome.capped else False
+    prediction = Prediction(
+        predicted_max_micro_batch=guess,
+        probe_batches=[],
+        exact=guess == outcome.max_micro_batch,
+        seeded_from=(
+            f"this setting's one-micro-step curve plus the {format_bytes(seed.extra_bytes)} that accumulating added "
+            f"with checkpointing {seed.setting}"
+        ),
+    )
+    return SearchOutcome(outcome.max_micro_batch, capped, outcome.trials), prediction

@@ -558,6 +558,7 @@ def _build(workload: Workload, device: ProbeDevice) -> nn.Module:
     try:
         with device.active():
             model = workload.build_model().to(device.torch_device)
+            workload.checkpoint(model)  # activation checkpointing, as the job sets it (none: nothing)
             # Wrapped as the job wraps it (DDP's buckets, FSDP's shards), inside the counting.
             return parallel.wrap(
                 model, workload.parallel, device.torch_device, _AUTOCAST.get(workload.precision), workload.shard

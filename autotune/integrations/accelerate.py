@@ -37,6 +37,7 @@ tokens as far as the samples' lengths differ.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -67,6 +68,8 @@ from autotune.integrations.job import (
 from autotune.integrations.reporting import default_collate_hint, reports_to_the_caller
 from autotune.plans.plan import Policy, parse_policy
 from autotune.results import JobBatch, LoopShape, ProbeResult, TrialRecord
+from autotune.workloads import checkpointing as activation_checkpointing
+from autotune.workloads.checkpointing import BlocksSpec
 from autotune.workloads.live import is_dataset, model_loss
 from autotune.workloads.workload import OptimizerSpec, Workload
 
@@ -228,6 +231,8 @@ def tune_accelerator(
     on_trial: Callable[[TrialRecord], None] | None = None,
     check_gradients: bool = True,
     progress: bool | None = None,
+    checkpointing: str | None = None,
+    checkpoint_blocks: BlocksSpec | None = None,
 ) -> ProbeResult:
     """Probe the job in Accelerate's loop and set `accelerator.gradient_accumulation_steps` from the
     plan for `effective_batch` (over all processes; by default the job's own: the DataLoader's batch
@@ -240,7 +245,11 @@ def tune_accelerator(
     `policy="fewest-steps"`: unequal micro-batches, which Accelerate's accumulation cannot run; the
     Accelerator is left at one step, for `autotune.plans.accumulate` with a `PlanBatchSampler`.
     `check_gradients`: the gradient check when the plan accumulates. `progress`: the live table of
-    trials (default: when stderr is a terminal); every trial is logged at INFO either way."""
+    trials (default: when stderr is a terminal); every trial is logged at INFO either way.
+    `checkpointing`: activation checkpointing of the model's repeated blocks (`checkpoint_blocks`, or
+    found: autotune.workloads.checkpointing), "auto" choosing among none and full by the plan's
+    measured speed (or one setting, none, full, every=K); the setting chosen is applied to `model`
+    (`result.workload.checkpointing`). None: the model as it is."""
     started = time.perf_counter()
     policy = parse_policy(policy)
     if accelerator.num_processes > 1:
@@ -290,6 +299,8 @@ def tune_accelerator(
             name=f"accelerate:{type(unwrapped).__name__}",
             scan_limit=scan_limit,
         )
+        if checkpoint_blocks is not None:
+            workload = dataclasses.replace(workload, checkpoint_blocks=checkpoint_blocks)
         # The prepared loader's next batch is on the probing device only when that device is the host.
         prefetch = 1 if device.type == "cpu" else 0
         result = probe_workload(
@@ -305,7 +316,10 @@ def tune_accelerator(
             effective_batch=effective,
             world_size=accelerator.num_processes,
             policy=policy,
+            checkpointing=checkpointing,
         )
+        if checkpointing is not None:  # the job trains with the setting its plan was verified with
+            activation_checkpointing.apply(unwrapped, result.workload.checkpointing or "none", checkpoint_blocks)
         made = result.plan
         micro = micro_and_accumulation(result)[0]
         window = 1 if made is None else made.accumulation_steps

@@ -70,7 +70,9 @@ from autotune.integrations.job import (
 from autotune.integrations.reporting import for_the_caller, lightning_frames_cut
 from autotune.plans.plan import Policy
 from autotune.results import JobBatch, LoopShape, ProbeResult
+from autotune.workloads import checkpointing as activation_checkpointing
 from autotune.workloads import worstcase
+from autotune.workloads.checkpointing import BlocksSpec
 from autotune.workloads.workload import Workload
 
 logger = logging.getLogger("autotune.integrations.lightning")
@@ -193,8 +195,11 @@ class AutotuneBatchSize(pl.Callback):
         scan_limit: int = 10_000,
         check_gradients: bool = True,
         progress: bool | None = None,
+        checkpointing: str | None = None,
+        checkpoint_blocks: BlocksSpec | None = None,
     ) -> None:
         valid_effective(effective_batch, who="AutotuneBatchSize")
+        self.checkpointing, self.checkpoint_blocks = checkpointing, checkpoint_blocks
         self.effective_batch = effective_batch
         self.memory, self.headroom = memory, headroom
         self.batch_arg_name = batch_arg_name
@@ -342,6 +347,7 @@ class AutotuneBatchSize(pl.Callback):
                 optimizer=configured,
                 precision=precision,  # type: ignore[arg-type]
                 input_spec=worst.input_spec(),
+                checkpoint_blocks=self.checkpoint_blocks,
             )
 
             def silent(*args: Any, **kwargs: Any) -> None:
@@ -362,7 +368,11 @@ class AutotuneBatchSize(pl.Callback):
                     effective_batch=effective,
                     world_size=trainer.world_size,
                     policy=Policy.EXACT,
+                    checkpointing=self.checkpointing,
                 )
+                if self.checkpointing is not None:  # the fit runs with the setting its plan was verified with
+                    setting = result.workload.checkpointing or "none"
+                    activation_checkpointing.apply(module, setting, self.checkpoint_blocks)
                 micro, accumulation = micro_and_accumulation(result)
                 check = None
                 samples: gradients.CheckSamples = gradients.JobSamples.of_loader(loader) or gradients.RowsOf(

@@ -162,8 +162,12 @@ def trainer_loop(trainer: Trainer, dataset: Any, indices: tuple[int, ...]) -> Ca
     given = _optimizer_copy(trainer)
 
     def make(runner: TrialRunner) -> TrainLoop:
+        switched = runner.workload.apply_checkpointing is not None  # a probe that sets the Trainer's switch
+
         def train(batch: int, loop: LoopShape) -> float:
             with _borrowed(trainer) as args:
+                if switched:
+                    _switch(args, runner.workload.checkpointing)
                 args.per_device_train_batch_size = batch
                 args.gradient_accumulation_steps = loop.micro_steps
                 budget = runner.step_budget(loop)
@@ -183,6 +187,58 @@ def trainer_loop(trainer: Trainer, dataset: Any, indices: tuple[int, ...]) -> Ca
         return train
 
     return make
+
+
+def _switch(args: TrainingArguments, setting: str) -> None:
+    """The Trainer's own activation checkpointing for `setting` (non-reentrant, as autotune's block
+    wrapping): `activation_checkpointing` (with `every_n_layers` for every=K, which a Trainer counts
+    from its first layer) where the Trainer has it, else `gradient_checkpointing`, which checkpoints
+    every layer or none (every=K is refused there)."""
+    on = setting != "none"
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if hasattr(args, "activation_checkpointing"):
+        if setting.startswith("every="):
+            kwargs["every_n_layers"] = int(setting.removeprefix("every="))
+        args.activation_checkpointing = on
+        args.activation_checkpointing_kwargs = kwargs if on else None
+    elif setting.startswith("every="):
+        raise ConfigError(
+            f"tune_trainer: checkpointing {setting!r}: this Trainer's gradient_checkpointing checkpoints every layer; "
+            "choose among none and full (checkpointing='auto')"
+        )
+    args.gradient_checkpointing = on
+    args.gradient_checkpointing_kwargs = kwargs if on else None
+
+
+def _model_switch(model: torch.nn.Module, setting: str) -> None:
+    """The model's side of the Trainer's switch, as each trial's model is built: off for none (a
+    Trainer's train() turns it on when its argument says so, never off)."""
+    if setting != "none":
+        return
+    for flag, disable in (
+        ("is_activation_checkpointing", "activation_checkpointing_disable"),
+        ("is_gradient_checkpointing", "gradient_checkpointing_disable"),
+    ):
+        if hasattr(model, disable):
+            if getattr(model, flag, False):
+                getattr(model, disable)()
+            return
+
+
+def set_trainer_checkpointing(job: Trainer | TrainingArguments, setting: str) -> None:
+    """Set a Trainer's (or its arguments') activation checkpointing to `setting` (none, full, every=K
+    where the Trainer has every_n_layers): what `tune_trainer(..., checkpointing=...)` sets, and what
+    `autotune.client.CheckpointedPlan.apply` sets for a plan the service chose."""
+    args = job.args if isinstance(job, Trainer) else job
+    _switch(args, setting)
+    if isinstance(job, Trainer) and isinstance(job.model, torch.nn.Module):
+        _model_switch(job.model, setting)
+
+
+def _checkpointing_words(args: TrainingArguments) -> str:
+    if hasattr(args, "activation_checkpointing"):
+        return f"activation_checkpointing={args.activation_checkpointing}"
+    return f"gradient_checkpointing={args.gradient_checkpointing}"
 
 
 class _Captured(Exception):
@@ -302,6 +358,7 @@ def tune_trainer(
     on_trial: Callable[[TrialRecord], None] | None = None,
     check_gradients: bool = True,
     progress: bool | None = None,
+    checkpointing: str | None = None,
 ) -> ProbeResult:
     """Probe `trainer`'s own loop and set `per_device_train_batch_size` and
     `gradient_accumulation_steps` for the job's effective batch (per_device_train_batch_size x
@@ -313,7 +370,10 @@ def tune_trainer(
     `memory`/`headroom`: as the CLI's `--memory`/`--headroom` (on a machine without a GPU the probe
     runs on the CPU budget device of `memory` bytes). `check_gradients`: run the gradient check
     when the plan accumulates. `progress`: the live table of trials (default: when stderr is a
-    terminal); every trial is logged at INFO either way."""
+    terminal); every trial is logged at INFO either way. `checkpointing`: "auto" probes the Trainer
+    without and with `gradient_checkpointing` (every layer recomputed in backward), times each
+    plan for the effective batch and keeps the faster that fits, setting `gradient_checkpointing`
+    with the batch size and accumulation ("none" or "full" probes that one); None: as configured."""
     started = time.perf_counter()
     if trainer.train_dataset is None:
         raise ConfigError("tune_trainer: the Trainer has no train_dataset: autotune needs its examples")
@@ -360,6 +420,7 @@ def tune_trainer(
             optimizer=_TrainerOptimizer(trainer),
             precision=_precision(trainer),  # type: ignore[arg-type]
             input_spec=worst.input_spec(),
+            apply_checkpointing=None if checkpointing is None else _model_switch,
         )
         result = probe_workload(
             workload,
@@ -373,7 +434,11 @@ def tune_trainer(
             effective_batch=effective,
             world_size=args.world_size,
             policy=Policy.EXACT,
+            checkpointing=checkpointing,
         )
+        if checkpointing is not None:  # the setting the plan was verified with, for the check and the job
+            _switch(args, result.workload.checkpointing or "none")
+            _model_switch(model, result.workload.checkpointing or "none")
         micro, accumulation = micro_and_accumulation(result)
         check = None
         samples = gradients.JobSamples(dataset, collate)
@@ -400,10 +465,11 @@ def tune_trainer(
             tuning,
             gradients.warning(check, _gradient_fix(trainer), _weights_fix(trainer), samples.described),
         )
+        chosen = "" if checkpointing is None else f", {_checkpointing_words(args)}"
         log_outcome(
             reporter,
             result,
-            f"set per_device_train_batch_size={micro}, gradient_accumulation_steps={accumulation}",
+            f"set per_device_train_batch_size={micro}, gradient_accumulation_steps={accumulation}{chosen}",
         )
     args.per_device_train_batch_size, args.gradient_accumulation_steps = micro, accumulation
     trainer._train_batch_size = args.train_batch_size

@@ -5,6 +5,7 @@
     targets      a CLI or service target (a built-in example name or module:attribute) made a Workload
     examples     the built-in examples (mlp, cnn, gpt), from code with random weights
     worstcase    the batch of size B that needs the most memory, found in the job's data
+    checkpointing  activation checkpointing of a model's repeated blocks (none, full, every=K)
     registry     the service's registered workloads (AUTOTUNE_WORKLOADS)
     fingerprint  a stable hash of everything that determines a probe's answer
     probekey     which stored result answers a request, known before any probe runs

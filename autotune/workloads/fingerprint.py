@@ -158,10 +158,16 @@ def probe_environment(
     cuda_version: str | None,
     allocator: str | None,
     parallel: ParallelSpec | None = None,
+    checkpointing: str | None = None,
 ) -> dict[str, Any]:
     """The environment a probe's fingerprint holds (`autotune.engine.probe.result_fingerprint`). A
-    parallel setup is in it when there is one (results without one keep their fingerprints)."""
-    extra = {} if parallel is None or parallel.strategy == "none" else {"parallel": parallel.model_dump()}
+    parallel setup and an activation-checkpointing setting are in it when there is one (results
+    without one keep their fingerprints)."""
+    extra: dict[str, Any] = {}
+    if parallel is not None and parallel.strategy != "none":
+        extra["parallel"] = parallel.model_dump()
+    if checkpointing not in (None, "none"):
+        extra["checkpointing"] = checkpointing
     return {
         **extra,
         "steps": steps,
@@ -191,6 +197,7 @@ def result_environment(result: ProbeResult) -> dict[str, Any]:
         cuda_version=result.versions.cuda,
         allocator=result.allocator_config,
         parallel=result.workload.parallel,
+        checkpointing=result.workload.checkpointing,
     )
 
 

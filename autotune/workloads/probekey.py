@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from autotune import __version__
 from autotune.errors import ConfigError, WorkloadError
+from autotune.request import checkpointing_candidates
 from autotune.results import SCHEMA_VERSION, ParallelSpec, ProbeResult
 from autotune.units import format_bytes, headroom_bytes
 from autotune.workloads import fingerprint
@@ -97,13 +98,18 @@ class ProbeKey(BaseModel):
     # A rank of a DDP or FSDP job holds something else than one process of the model (and an FSDP
     # rank depends on the world size and the sharding): another answer, another key.
     parallel: ParallelSpec = Field(default_factory=ParallelSpec)
+    # Activation checkpointing: a setting (full, every=K), or a choice among settings for a plan
+    # (`checkpointing_key`: its answer depends on the effective batch); None: the workload as registered.
+    checkpointing: str | None = None
 
     def digest(self) -> str:
         """sha256 of the canonical JSON: the key stored with jobs and results. A key without a
-        parallel setup digests as before there was one, so stored results keep answering."""
+        parallel setup or checkpointing digests as before there was one, so stored results keep answering."""
         document = self.model_dump(mode="json")
         if self.parallel.strategy == "none":
             del document["parallel"]
+        if self.checkpointing is None:
+            del document["checkpointing"]
         encoded = json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(encoded).hexdigest()
 
@@ -121,6 +127,7 @@ def key_for_request(
     max_batch: int | None = None,
     granularity: int | None = None,
     parallel: ParallelSpec | None = None,
+    checkpointing: str | None = None,
 ) -> ProbeKey:
     """The key of a probe of `entry` on `device`, with the same arithmetic as the probe's
     `open_device`. For the budget device, `device.total_bytes` is its size (the request's memory
@@ -155,7 +162,21 @@ def key_for_request(
         limit_bytes=limit,
         free_budget=free,
         parallel=_with_sharding(parallel or ParallelSpec(), entry),
+        checkpointing=checkpointing,
     )
+
+
+def checkpointing_key(
+    checkpointing: str | None, effective_batch: int | None = None, world_size: int = 1, policy: str = ""
+) -> str | None:
+    """The key's checkpointing: None for none (a plain key), a setting as it is, and a choice among
+    settings with the plan it was chosen for (the fastest setting depends on the effective batch)."""
+    if checkpointing is None:
+        return None
+    settings = checkpointing_candidates(checkpointing)
+    if len(settings) == 1:
+        return None if settings[0] == "none" else settings[0]
+    return f"choose:{','.join(settings)};effective_batch={effective_batch};world_size={world_size};policy={policy}"
 
 
 def _with_sharding(spec: ParallelSpec, entry: RegisteredWorkload) -> ParallelSpec:
@@ -207,6 +228,7 @@ def key_from_result(result: ProbeResult, entry: RegisteredWorkload) -> ProbeKey 
         device=device,
         limit_bytes=result.limit_bytes,
         parallel=result.workload.parallel,
+        checkpointing=result.workload.checkpointing,
     )
 
 

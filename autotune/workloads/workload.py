@@ -33,10 +33,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from autotune.errors import WorkloadError
-from autotune.request import OptionValue
+from autotune.errors import AutotuneError, WorkloadError
+from autotune.request import OptionValue, parse_checkpointing
 from autotune.request import parse_options as parse_options  # torch-free there; re-exported
 from autotune.results import ParallelSpec
+from autotune.workloads import checkpointing as activation_checkpointing
+from autotune.workloads.checkpointing import BlocksSpec
 from autotune.workloads.live import live_parts
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -78,8 +80,22 @@ class Workload:
     # job's device mesh, it applies `fully_shard` as the job does (its blocks, reshard_after_forward,
     # mp_policy). None: autotune.parallel.fsdp.shard (per block, then the root).
     shard: Callable[[nn.Module, Any], Any] | None = None
+    # Activation checkpointing of the model's repeated blocks: none, full or every=K (every K-th
+    # block), applied with torch.utils.checkpoint (non-reentrant) when the trial builds the model
+    # (`autotune.workloads.checkpointing`); in the fingerprint unless none.
+    checkpointing: str = "none"
+    # The blocks: the attribute path of a ModuleList/Sequential of them ("model.layers") or a function
+    # of the model returning them. None: found (the largest ModuleList/Sequential of one class).
+    checkpoint_blocks: BlocksSpec | None = None
+    # The job's own switch instead of autotune's block wrapping, called with the model and the
+    # setting (the Trainer's gradient_checkpointing); None: autotune.workloads.checkpointing.apply.
+    apply_checkpointing: Callable[[nn.Module, str], None] | None = None
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "checkpointing", parse_checkpointing(str(self.checkpointing)))
+        except AutotuneError as exc:
+            raise WorkloadError(str(exc)) from None
         if isinstance(self.optimizer, str):
             if self.optimizer.lower() not in OPTIMIZERS:
                 raise WorkloadError(f"unknown optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
@@ -115,6 +131,21 @@ class Workload:
             changes["optimizer"] = optimizer
             changes["optimizer_kwargs"] = {}
         return dataclasses.replace(self, **changes) if changes else self
+
+    def with_checkpointing(self, setting: str | None) -> Workload:
+        """This workload with activation checkpointing `setting` (none, full, every=K); None: as it is."""
+        if setting is None:
+            return self
+        changed = dataclasses.replace(self, checkpointing=setting)  # a WorkloadError for a bad setting
+        return self if changed.checkpointing == self.checkpointing else changed
+
+    def checkpoint(self, model: nn.Module) -> None:
+        """Apply this workload's checkpointing setting to `model` (its repeated blocks, or the job's own
+        switch); `none` on a model autotune never wrapped does nothing."""
+        if self.apply_checkpointing is not None:
+            self.apply_checkpointing(model, self.checkpointing)
+        elif self.checkpointing != "none" or activation_checkpointing.applied(model):
+            activation_checkpointing.apply(model, self.checkpointing, self.checkpoint_blocks)
 
     def make_optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         spec = self.optimizer
