@@ -228,7 +228,7 @@ def key_from_result(result: ProbeResult, entry: RegisteredWorkload) -> ProbeKey 
         device=device,
         limit_bytes=result.limit_bytes,
         parallel=result.workload.parallel,
-        checkpointing=result.workload.checkpointing,
+        checkpointing=checkpointing_key(result.workload.checkpointing),  # "none" keys as no setting
     )
 
 
