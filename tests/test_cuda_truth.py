@@ -47,19 +47,24 @@ def test_the_modelled_allocator_reserves_more_than_it_allocates_and_trials_settl
     assert modelled["confirmation"]["status"] == "passed"
 
 
+# The plain loop's optimizer steps: more than twice the 3-4 steps in which the model's trials settle
+# (20 took a minute of the suite; the allocator model repeats itself from the settled step on).
+LOOP_STEPS = 10
+
+
 @pytest.mark.slow
-def test_a_plain_20_step_loop_on_the_modelled_device_fits_at_the_answer_and_not_one_more(
+def test_a_plain_10_step_loop_on_the_modelled_device_fits_at_the_answer_and_not_one_more(
     modelled: dict[str, Any],
 ) -> None:
     bench = load_bench("cuda_truth")
     # In this process, each run on a budget device of its own (a fresh allocator model, what a fresh
     # process gives on a GPU); the script runs each in a new interpreter.
     rows = bench.truth(
-        modelled, "cpu", 20, {}, "cuda", run=lambda job, env: bench.plain_loop(job), one_micro_step=False
+        modelled, "cpu", LOOP_STEPS, {}, "cuda", run=lambda job, env: bench.plain_loop(job), one_micro_step=False
     )
     by = {r["batch"]: r for r in rows}
     answer = modelled["max_micro_batch"]
-    assert by[answer]["fits"] and by[answer]["steps"] == 20, by
+    assert by[answer]["fits"] and by[answer]["steps"] == LOOP_STEPS, by
     assert by[answer]["peak_reserved_bytes"] <= modelled["limit_bytes"]
     assert by[answer]["peak_reserved_bytes"] > by[answer]["peak_allocated_bytes"]  # the model's cache
     # One more sample, accumulating, runs out of memory in the plain loop too.

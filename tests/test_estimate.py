@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_estimate_with_no_overhead_equals_the_budget_device_probe(name: str, mib: int, precision: str | None) -> None:
     # Through the memo: cnn's estimate is also docs/estimate.md's `estimate cnn --memory 64MiB --overhead 0`.
     guess = _once(name, mib * MIB, overhead_bytes=0, precision=precision, options={})
-    probe = run_probe(ProbeRequest(target=name, device="cpu", memory=mib * MIB, precision=precision))
+    probe = run_probe(ProbeRequest(target=name, device="cpu", memory=mib * MIB, precision=precision, confirm=False))
     assert guess.kind == "estimate"
     # Both of the probe's answers, under the probe's names: one micro-step, and accumulating.
     assert guess.max_micro_batch == probe.max_micro_batch

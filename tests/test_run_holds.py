@@ -19,7 +19,7 @@ from autotune.results import ProbeResult
 # at 64 MiB runs 11 + 11 + 10 under an answer of 13, a plan below its answer; the fresh runs cost what
 # their samples do, and 64 (13 + 13 + 13 + 13 + 12, the answer's loop 5 x 13) cost 3 s more.
 # (mlp and gpt cases ran here too; the suite's time budget keeps the convnet. The transformer's
-# answer runs in a plain 20-step loop, and one more sample runs out, in tests/test_cuda_truth.py.)
+# answer runs in a plain 10-step loop, and one more sample runs out, in tests/test_cuda_truth.py.)
 CASES = [("cnn", "64MiB", 32)]
 
 
