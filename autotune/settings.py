@@ -19,6 +19,9 @@
 | AUTOTUNE_DEBUG               | false            | the CLI prints a failure's full traceback (--debug)  |
 | AUTOTUNE_ALLOCATOR           | exact            | the budget device's memory: exact, or cuda (a model  |
 |                              |                  | of CUDA's caching allocator); read per device        |
+| AUTOTUNE_ALLOCATOR_STREAMS   | model            | the model's streams: model (a pool per stream, as    |
+|                              |                  | CUDA's), or one (every allocation on one stream: the |
+|                              |                  | model before streams, for comparison); per device    |
 | AUTOTUNE_LOCK_DIR            | /tmp/autotune-UID| where each device's lock file lives: every probe on  |
 |                              |                  | this node holds its device's (one probe per device)  |
 """
@@ -64,6 +67,9 @@ class Settings(BaseSettings):
     # CUDA's caching allocator (reserved memory, fragmentation, retries). Read when a BudgetDevice
     # is created (`allocator_mode`), so a test or a job can switch it without a new process.
     allocator: Literal["exact", "cuda"] = "exact"
+    # The model's streams: a pool per stream and record_stream's waits (CUDA's rules), or everything
+    # on one stream, to measure what the streams change (bench/streams.py). Read per device too.
+    allocator_streams: Literal["model", "one"] = "model"
     # The directory of the device locks (autotune.engine.lock). Processes share a device's lock only
     # when they share this directory: the default is per user, so a service and people's probes
     # running as other users set it to one directory they can all write.
@@ -102,6 +108,16 @@ def get_settings() -> Settings:
         return Settings()
     except ValueError as exc:
         raise ConfigError(f"bad AUTOTUNE_* environment variable: {exc}") from None
+
+
+def allocator_streams() -> Literal["model", "one"]:
+    """AUTOTUNE_ALLOCATOR_STREAMS as it is now (read when a BudgetDevice is created, as AUTOTUNE_ALLOCATOR)."""
+    value = os.environ.get("AUTOTUNE_ALLOCATOR_STREAMS", "model").strip().lower() or "model"
+    if value not in ("model", "one"):
+        raise ConfigError(
+            f"environment variable AUTOTUNE_ALLOCATOR_STREAMS={value!r} is not model or one: fix it or unset it"
+        )
+    return "one" if value == "one" else "model"
 
 
 def allocator_mode() -> Literal["exact", "cuda"]:

@@ -539,6 +539,93 @@ def test_on_a_card_larger_than_the_cap_a_page_can_pass_the_cap() -> None:
         exact.malloc(10 * MiB)
 
 
+# Streams ---------------------------------------------------------------------------------------------------
+
+
+def test_a_stream_s_freed_block_serves_only_that_stream() -> None:
+    model = CachingAllocatorModel(100 * MiB)
+    model.free(model.malloc(5 * MiB, stream=0))
+    side = model.malloc(5 * MiB, stream=1)  # the default stream's free 20 MiB segment is not its
+    assert model.stats().reserved_bytes == 40 * MiB
+    model.free(side)
+    model.malloc(5 * MiB, stream=0)
+    model.malloc(5 * MiB, stream=1)  # each takes its own stream's block back: nothing new reserved
+    assert (model.stats().reserved_bytes, model.stats().num_device_alloc) == (40 * MiB, 2)
+    check_invariants(model)
+
+
+def test_another_stream_s_cache_comes_back_only_when_a_miss_releases_it() -> None:
+    """A side stream's free segment is reserved memory the default stream cannot use: a miss passes
+    the cap, the cache is released, and the third alloc_block (a retry) succeeds."""
+    model = CachingAllocatorModel(40 * MiB)
+    model.free(model.malloc(30 * MiB, stream=1))
+    model.malloc(30 * MiB, stream=0)
+    stats = model.stats()
+    assert (stats.num_alloc_retries, stats.num_device_free, stats.reserved_bytes) == (1, 1, 30 * MiB)
+    check_invariants(model)
+
+
+def test_a_block_used_by_another_stream_waits_for_its_work_before_reuse() -> None:
+    model = CachingAllocatorModel(100 * MiB)
+    used = model.malloc(12 * MiB)
+    model.record_stream(used, 1)
+    model.free(used)
+    stats = model.stats()
+    assert (stats.allocated_bytes, stats.reserved_bytes, model.pending_bytes()) == (0, 12 * MiB, 12 * MiB)
+    model.malloc(12 * MiB)  # the freed block still waits: a new segment
+    assert model.stats().reserved_bytes == 24 * MiB
+    model.synchronize()
+    assert model.pending_bytes() == 0
+    model.malloc(12 * MiB)  # now it serves
+    assert model.stats().reserved_bytes == 24 * MiB
+    check_invariants(model)
+
+
+def test_recording_the_block_s_own_stream_changes_nothing() -> None:
+    model = CachingAllocatorModel(100 * MiB)
+    used = model.malloc(12 * MiB, stream=2)
+    model.record_stream(used, 2)
+    model.free(used)
+    assert model.pending_bytes() == 0
+    model.malloc(12 * MiB, stream=2)
+    assert model.stats().reserved_bytes == 12 * MiB
+    with pytest.raises(KeyError, match="unknown allocator handle"):
+        model.record_stream(used, 1)
+
+
+def test_a_miss_that_would_fail_waits_for_every_stream_first() -> None:
+    """release_cached_blocks synchronizes first: the waiting block returns and its segment is released."""
+    model = CachingAllocatorModel(40 * MiB)
+    used = model.malloc(30 * MiB)
+    model.record_stream(used, 1)
+    model.free(used)
+    model.malloc(30 * MiB)
+    stats = model.stats()
+    assert (stats.num_alloc_retries, stats.num_device_free, model.pending_bytes()) == (1, 1, 0)
+    check_invariants(model)
+
+
+def test_a_waiting_block_merges_with_its_neighbours_only_once_it_is_back() -> None:
+    model = CachingAllocatorModel(100 * MiB)
+    first, second = model.malloc(KiB), model.malloc(KiB)
+    model.record_stream(first, 3)
+    model.free(first)
+    model.free(second)
+    assert blocks(model) == [[(KiB, False), (2 * MiB - KiB, False)]]  # shown free, not yet merged
+    model.synchronize()
+    assert blocks(model) == [[(2 * MiB, False)]]
+    check_invariants(model)
+
+
+def test_each_stream_has_an_expandable_segment_of_its_own() -> None:
+    model = CachingAllocatorModel(100 * MiB, EXPANDABLE)
+    model.free(model.malloc(5 * MiB, stream=0))
+    model.malloc(5 * MiB, stream=1)
+    assert model.stats().reserved_bytes == 40 * MiB  # a 20 MiB page in each stream's segment
+    assert len(model.segments()) == 2
+    check_invariants(model)
+
+
 # Settings -------------------------------------------------------------------------------------------------
 
 

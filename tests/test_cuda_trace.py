@@ -279,12 +279,12 @@ class TorchFormat(CachingAllocatorModel):
         }
 
     # The allocator's calls, written down.
-    def malloc(self, nbytes: int) -> int:
+    def malloc(self, nbytes: int, stream: int = 0) -> int:
         if nbytes == 0:  # torch allocates nothing, and writes nothing
-            return super().malloc(nbytes)
+            return super().malloc(nbytes, stream)
         segments = self._segments_now() if self.history is not None else {}
         try:
-            handle = super().malloc(nbytes)
+            handle = super().malloc(nbytes, stream)
         except AllocatorOutOfMemory:
             self._segments_changed(segments)
             self._log(_entry("oom", size=nbytes))

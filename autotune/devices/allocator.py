@@ -1,4 +1,4 @@
-"""A pure-Python model of PyTorch's CUDA caching allocator: one device, one stream, no torch.
+"""A pure-Python model of PyTorch's CUDA caching allocator: one device, its streams, no torch.
 
 This module owns the simulation of where a sequence of tensor storages lands in the caching
 allocator's segments, so that reserved memory, fragmentation and out-of-memory can be predicted
@@ -63,14 +63,32 @@ The rules, as the source states them
                               Release unmaps the pages inside free blocks that are entirely free;
                               a segment left with no mapped page is deleted.
     emptyCache                release_cached_blocks, as torch.cuda.empty_cache().
+    streams                   every block belongs to the stream it was allocated on (its segment's):
+                              BlockComparatorSize orders a pool by stream first, so get_free_block
+                              (and release_available_cached_blocks) only look at the requesting
+                              stream's blocks, and a block freed goes back to its own stream's pool;
+                              an expandable segment is per stream too. A stream's cached blocks serve
+                              no other stream until release_cached_blocks cudaFrees whole free
+                              segments (at a miss that failed twice, or emptyCache).
+    record_stream             recordStream adds a stream to the block's stream_uses (its own stream
+                              is never added). free() of such a block counts it freed (allocated
+                              bytes drop) but does not return it: insert_events records an event on
+                              each stream used, and the block waits, merging with nothing, until
+                              process_events finds them done; release_cached_blocks first waits for
+                              every event (synchronize_and_free_events), so a miss that would fail
+                              gets those blocks back. Here events complete at `synchronize()`: the
+                              budget device calls it at each optimizer step's end and at a device
+                              synchronize (see "Simplified").
     the OOM message           "CUDA out of memory. Tried to allocate <get_allocation_size(size)>."
                               (the segment size, not the request), capacity, free, "<cap> allowed",
                               then allocated and "<reserved - allocated> is reserved by PyTorch but
                               unallocated".
 
 Simplified (what the model leaves out)
-    - One device and one stream: no record_stream, no CUDA events, no cross-stream reuse, no CUDA
-      graph private pools, no MemPool.
+    - One device. Events complete where `synchronize()` says, not when the GPU reaches them: a
+      block whose recorded streams' work would finish within a step is held here to the step's end
+      (more reserved, a lower answer: the safe side); a GPU running more than a step behind the host
+      is not modelled. No CUDA graph private pools, no MemPool.
     - garbage_collection_threshold is parsed and checked but not modelled (it frees cached blocks
       early, before a cudaMalloc, when the fraction cap is set, which hides the retries a run at the
       edge would show): the budget device refuses it (`AllocatorConfig.garbage_collection_threshold`).
@@ -329,12 +347,15 @@ class AllocatorOutOfMemory(Exception):
 
 
 class _Pool:
-    """A BlockPool: its free (mapped) blocks by (size, address) and its unmapped blocks by address."""
+    """One stream's part of a BlockPool (the source orders a pool by stream first, so a lookup
+    never leaves its stream): its free (mapped) blocks by (size, address) and its unmapped blocks
+    by address."""
 
-    __slots__ = ("free", "small", "unmapped")
+    __slots__ = ("free", "small", "stream", "unmapped")
 
-    def __init__(self, small: bool) -> None:
+    def __init__(self, small: bool, stream: int = 0) -> None:
         self.small = small
+        self.stream = stream
         self.free: list[int] = []  # size << 64 | address, sorted
         self.unmapped: list[int] = []  # addresses, sorted
 
@@ -351,7 +372,7 @@ class _Segment:
 
 
 class _Block:
-    __slots__ = ("addr", "allocated", "mapped", "next", "pool", "prev", "segment", "size")
+    __slots__ = ("addr", "allocated", "mapped", "next", "pool", "prev", "segment", "size", "stream_uses")
 
     def __init__(self, size: int, addr: int, pool: _Pool, segment: _Segment | None, mapped: bool = True) -> None:
         self.size = size
@@ -360,6 +381,7 @@ class _Block:
         self.segment = segment  # None: a cudaMalloc'd segment
         self.mapped = mapped
         self.allocated = False
+        self.stream_uses: set[int] | None = None  # streams other than its own that used it (recordStream)
         self.prev: _Block | None = None
         self.next: _Block | None = None
 
@@ -380,7 +402,8 @@ def _has_space(b: _Block | None, size: int) -> bool:
 
 
 class CachingAllocatorModel:
-    """DeviceCachingAllocator for one device and one stream, capped at `limit_bytes` reserved."""
+    """DeviceCachingAllocator for one device and its streams (numbered by the caller; 0 is the
+    default stream), capped at `limit_bytes` reserved."""
 
     def __init__(
         self,
@@ -410,8 +433,8 @@ class CachingAllocatorModel:
         self.config = config
         self._max_split = _UNLIMITED if config.max_split_size is None else config.max_split_size
         self._expandable = config.expandable_segments
-        self._small = _Pool(small=True)
-        self._large = _Pool(small=False)
+        self._pools: dict[tuple[int, bool], _Pool] = {}  # (stream, small) -> that stream's pool
+        self._pending: list[_Block] = []  # freed blocks waiting for their recorded streams' events
         self._free_blocks: dict[int, _Block] = {}  # address -> free mapped block, both pools
         self._unmapped_blocks: dict[int, _Block] = {}  # address -> unmapped block
         self._handles: dict[int, _Block | None] = {}  # None: a 0-byte allocation
@@ -429,9 +452,10 @@ class CachingAllocatorModel:
 
     # The interface --------------------------------------------------------------------------------
 
-    def malloc(self, nbytes: int) -> int:
-        """Allocate `nbytes` as the allocator would; a handle for `free`. Raises AllocatorOutOfMemory,
-        after the cache releases (and the retry count) the real allocator would also have done."""
+    def malloc(self, nbytes: int, stream: int = 0) -> int:
+        """Allocate `nbytes` on `stream` as the allocator would; a handle for `free`. Raises
+        AllocatorOutOfMemory, after the cache releases (and the retry count) the real allocator
+        would also have done."""
         if nbytes < 0:
             raise ValueError(f"cannot allocate {nbytes} bytes")
         handle = self._next_handle
@@ -440,7 +464,7 @@ class CachingAllocatorModel:
             self._handles[handle] = None
             return handle
         size = round_size(nbytes)
-        pool = self._small if size <= K_SMALL_SIZE else self._large
+        pool = self._pool(stream, size <= K_SMALL_SIZE)
         block = self._get_free_block(pool, size)
         if block is None:
             block = self._allocate(pool, size, nbytes)
@@ -455,18 +479,41 @@ class CachingAllocatorModel:
             raise KeyError(f"unknown allocator handle {handle} (never allocated, or freed already)") from None
         if block is None:
             return
-        block.allocated = False
         self._allocated -= block.size
-        self._try_merge(block, block.prev)
-        self._try_merge(block, block.next)
-        self._insert_free(block)
+        if block.stream_uses:
+            self._pending.append(block)  # insert_events: still `allocated` to its neighbours' merges
+            return
+        self._free_block(block)
+
+    def record_stream(self, handle: int, stream: int) -> None:
+        """recordStream: `stream` uses the block too, so that its free waits for that stream's work."""
+        try:
+            block = self._handles[handle]
+        except KeyError:
+            raise KeyError(f"unknown allocator handle {handle} (never allocated, or freed already)") from None
+        if block is None or stream == block.pool.stream:
+            return
+        if block.stream_uses is None:
+            block.stream_uses = set()
+        block.stream_uses.add(stream)
+
+    def synchronize(self) -> None:
+        """Every recorded stream's work is done: blocks freed while it was pending go back to their
+        pools (process_events once their events complete; synchronize_and_free_events)."""
+        pending, self._pending = self._pending, []
+        for block in pending:
+            self._free_block(block)
+
+    def pending_bytes(self) -> int:
+        """Freed bytes that wait for another stream's work (reserved, neither allocated nor free)."""
+        return sum(block.size for block in self._pending)
 
     def empty_cache(self) -> None:
         """torch.cuda.empty_cache(): release_cached_blocks."""
         self._release_cached_blocks()
 
     def stats(self) -> AllocatorStats:
-        largest = max((pool.free[-1] >> _ADDRESS_BITS for pool in (self._small, self._large) if pool.free), default=0)
+        largest = max((pool.free[-1] >> _ADDRESS_BITS for pool in self._pools.values() if pool.free), default=0)
         return AllocatorStats(
             allocated_bytes=self._allocated,
             reserved_bytes=self._reserved,
@@ -500,6 +547,7 @@ class CachingAllocatorModel:
         handle_of = {id(b): h for h, b in self._handles.items() if b is not None}
         blocks = [b for b in self._handles.values() if b is not None]
         blocks += self._free_blocks.values()
+        blocks += self._pending  # shown free (no handle), as they will be
         heads = sorted((b for b in blocks if b.prev is None or not b.prev.mapped), key=lambda b: b.addr)
         result = []
         for head in heads:
@@ -511,7 +559,7 @@ class CachingAllocatorModel:
             result.append((head.addr, head.pool.small, parts))
         return result
 
-    def add_segment(self, address: int, blocks: list[tuple[int, bool]], *, small: bool) -> list[int]:
+    def add_segment(self, address: int, blocks: list[tuple[int, bool]], *, small: bool, stream: int = 0) -> list[int]:
         """Take over a segment that the real allocator already holds (a trial's start, as a memory
         snapshot shows it): at `address`, in the small or the large pool, its blocks in address order
         as (size, allocated?). Returns a handle for each allocated block, in order, for `free`.
@@ -529,7 +577,7 @@ class CachingAllocatorModel:
             end = parts[-1][0] + parts[-1][1]
             if address < end and start < address + total:
                 raise ValueError(f"a segment at {address:#x} of {total} B overlaps the one at {start:#x}")
-        pool = self._small if small else self._large
+        pool = self._pool(stream, small)
         handles: list[int] = []
         prev: _Block | None = None
         addr = address
@@ -668,7 +716,8 @@ class CachingAllocatorModel:
         return released >= target
 
     def _release_cached_blocks(self) -> None:
-        for pool in (self._large, self._small):
+        self.synchronize()  # synchronize_and_free_events: what waited on events comes back first
+        for pool in sorted(self._pools.values(), key=lambda pool: (pool.small, pool.stream)):
             candidates = [self._free_blocks[key & _ADDRESS_MASK] for key in pool.free]
             to_unmap = []
             for block in candidates:
@@ -786,6 +835,20 @@ class CachingAllocatorModel:
         self._num_device_free += 1
 
     # Bookkeeping -----------------------------------------------------------------------------------
+
+    def _pool(self, stream: int, small: bool) -> _Pool:
+        pool = self._pools.get((stream, small))
+        if pool is None:
+            pool = self._pools[stream, small] = _Pool(small, stream)
+        return pool
+
+    def _free_block(self, block: _Block) -> None:
+        """free_block: back to its stream's pool, merged with its free neighbours."""
+        block.allocated = False
+        block.stream_uses = None
+        self._try_merge(block, block.prev)
+        self._try_merge(block, block.next)
+        self._insert_free(block)
 
     def _try_merge(self, dst: _Block, src: _Block | None) -> None:
         """try_merge_blocks: `dst` (in no list) absorbs its neighbour `src` if free and alike."""

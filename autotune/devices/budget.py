@@ -32,6 +32,16 @@ exceeds allocated, blocks fragment, a failed segment allocation frees the cache 
 trial's settle and thrash rules see the counters a GPU would show. Peaks of allocated bytes stay
 exact; `peak_reserved_bytes` is the model's.
 
+The model keeps CUDA's streams too (`autotune.devices.allocator`): a storage is allocated on the
+stream current when it is made (`torch.cpu.current_stream()`, which device-agnostic code such as
+FSDP2 switches with `torch.cpu.stream(...)` as it switches CUDA's: its all-gather, copy-in and
+reduce-scatter buffers land in their streams' pools, apart from the default stream's), and
+`Tensor.record_stream` marks a storage as used by another stream, whose block then waits after
+its free until the optimizer step ends (every optimizer's step, and `synchronize`, complete the
+streams' events). c10d's collectives record nothing: ProcessGroupNCCL runs a synchronous one on
+the current stream and holds an asynchronous one's tensors until it is waited on, without
+recordStream, as the gloo and fake groups here hold them.
+
 With a card profile (`card="h100"`, `autotune.devices.cards`) the device stands for that GPU: the
 model's fraction cap is computed from the card's total as CUDA computes it, memory outside
 PyTorch's allocator (the CUDA context) is out of cudaMalloc's reach, and cuBLAS's workspaces are
@@ -58,7 +68,7 @@ from autotune.devices import cards, host
 from autotune.devices.allocator import AllocatorConfig, AllocatorOutOfMemory, CachingAllocatorModel
 from autotune.errors import ConfigError
 from autotune.results import AllocatorState, MemoryBreakdown, MemoryRole
-from autotune.settings import allocator_mode
+from autotune.settings import allocator_mode, allocator_streams
 from autotune.units import format_bytes
 
 ROUNDING = 512  # the CUDA caching allocator's block size
@@ -102,6 +112,12 @@ class _Counter:
         # has run a matmul since the last empty_cache (0: the forward's, 1: autograd's).
         self.card: cards.CardProfile | None = None
         self.workspaces: dict[int, torch.Tensor] = {}
+        # The streams storages were allocated on or used by, numbered for the model (0: the stream
+        # current when the device was made, the default one), each kept so that its number stays its.
+        self.default_stream: object = None
+        self.streams: dict[object, int] = {}
+        self.placed_on = 0  # the stream of the storage the model placed last
+        self.one_stream = False  # AUTOTUNE_ALLOCATOR_STREAMS=one: every storage on the default stream
         # A garbage collection inside a model call can run a storage's weakref callback, which
         # must not re-enter the model: its frees wait here until the call returns.
         self.busy = False
@@ -130,6 +146,8 @@ class _Counter:
             if old:
                 self.timeline.append(("died", key, old))
             self.timeline.append(("born", key, storage.nbytes()))
+            if self.placed_on:  # allocated on another stream than the default one (the replay's)
+                self.timeline.append(("stream", key, self.placed_on))
         # A storage can grow in place (resize_ through an `out=` op): count the difference.
         self.sizes[key] = size
         self.live += size - old
@@ -153,7 +171,8 @@ class _Counter:
             if previous is not None:
                 model.free(previous)
             try:
-                self.blocks[key] = model.malloc(nbytes)
+                self.placed_on = self.stream_number(torch.cpu.current_stream())
+                self.blocks[key] = model.malloc(nbytes, self.placed_on)
             except AllocatorOutOfMemory as exc:
                 if old:  # the storage keeps its old size in the counter: give it its block back
                     with contextlib.suppress(AllocatorOutOfMemory):
@@ -164,6 +183,39 @@ class _Counter:
         finally:
             self.busy = False
             self._free_deferred()
+
+    def stream_number(self, stream: object) -> int:
+        """The model's number of a stream (a torch.cpu.Stream, or any stream object: by equality)."""
+        if self.one_stream or stream is self.default_stream:
+            return 0
+        number = self.streams.get(stream)
+        if number is None:
+            number = self.streams[stream] = len(self.streams) + 1
+        return number
+
+    def record_stream(self, storage: torch.UntypedStorage, stream: object) -> None:
+        """`stream` uses the storage's block (Tensor.record_stream): its free waits for `synchronize`."""
+        block = self.blocks.get(id(storage))
+        if self.allocator is None or block is None or self.one_stream:
+            return
+        number = self.stream_number(stream)
+        self.allocator.record_stream(block, number)
+        if self.timeline is not None:
+            self.timeline.append(("record", id(storage), number))
+
+    def synchronize(self) -> None:
+        """The streams' work is done: blocks waiting for it go back to their pools."""
+        model = self.allocator
+        if model is None or not model.pending_bytes():
+            return
+        self.busy = True
+        try:
+            model.synchronize()
+        finally:
+            self.busy = False
+        self._free_deferred()
+        if self.timeline is not None:
+            self.timeline.append(("sync", None, 0))
 
     def _free_block(self, block: int) -> None:
         if self.busy:
@@ -283,6 +335,8 @@ class BudgetDevice:
                     f"--memory {format_bytes(total_bytes)} is more than an {profile.model} has "
                     f"({format_bytes(profile.total_bytes)}): give at most that"
                 )
+            self._counter.default_stream = torch.cpu.current_stream()
+            self._counter.one_stream = allocator_streams() == "one"
             self._counter.allocator = CachingAllocatorModel(
                 self.limit_bytes,
                 config,
@@ -290,8 +344,10 @@ class BudgetDevice:
                 outside_bytes=0 if profile is None else profile.outside_bytes,
             )
             self._counter.card = profile
-            self.allocator_config = f"model of CUDA's caching allocator, {config.describe()}" + (
-                "" if profile is None else f", {profile.describe()}"
+            self.allocator_config = (
+                f"model of CUDA's caching allocator, {config.describe()}"
+                + ("" if profile is None else f", {profile.describe()}")
+                + (", every allocation on one stream" if self._counter.one_stream else "")
             )
 
     # Counting -----------------------------------------------------------------------------
@@ -362,7 +418,8 @@ class BudgetDevice:
             self._counter.allocator.empty_cache()
 
     def synchronize(self) -> None:
-        """CPU ops are synchronous."""
+        """CPU ops are synchronous; the allocator model's streams complete their work (events)."""
+        self._counter.synchronize()
 
     def allocator_state(self) -> AllocatorState | None:
         """The allocator model's counters; None for exact counting (no cache whose state could
@@ -401,7 +458,11 @@ class BudgetDevice:
     def active(self) -> Iterator[None]:
         """Count and enforce the limit for every op run inside this block."""
         try:
-            with _BudgetMode(self._counter, self.limit_bytes), _counted_resizes(self._counter, self.limit_bytes):
+            with (
+                _BudgetMode(self._counter, self.limit_bytes),
+                _counted_resizes(self._counter, self.limit_bytes),
+                _modelled_streams(self._counter),
+            ):
                 yield
         finally:
             self._counter.op = None  # what is counted outside the block ran in no op
@@ -442,6 +503,34 @@ def _counted_resizes(counter: _Counter, limit_bytes: int) -> Iterator[None]:
         yield
     finally:
         torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+
+
+@contextmanager
+def _modelled_streams(counter: _Counter) -> Iterator[None]:
+    """With the allocator model: `Tensor.record_stream` reaches the model (on CPU it is no tensor op
+    the mode sees, and a torch.cpu.Stream is no torch.Stream), and the end of every optimizer step
+    completes the streams' events."""
+    if counter.allocator is None:
+        yield
+        return
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    original = torch.Tensor.record_stream
+
+    def record_stream(tensor: torch.Tensor, stream: Any) -> None:
+        for storage in local_storages(tensor):
+            counter.record_stream(storage, stream)
+
+    def stepped(_optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        counter.synchronize()
+
+    torch.Tensor.record_stream = record_stream  # type: ignore[method-assign,assignment]
+    handle = register_optimizer_step_post_hook(stepped)
+    try:
+        yield
+    finally:
+        handle.remove()
+        torch.Tensor.record_stream = original  # type: ignore[method-assign]
 
 
 class _BudgetMode(TorchDispatchMode):

@@ -110,7 +110,10 @@ class AllocationTrace:
     trial's allocations at another batch size and see what the allocator reserves.
 
     `order`: (0, serial) a storage of the trial born, (1, serial) it died, (2, key) a storage older
-    than the trial died; `blocks`: the model's block of each storage alive when the trial began;
+    than the trial died, (3, i) `records[i]` = (serial, stream): another stream used the storage
+    (record_stream), (4, 0) the streams' work completed (the model's `synchronize`); `streams`: the
+    stream each storage of the trial was allocated on, where any was not the default one (0);
+    `blocks`: the model's block of each storage alive when the trial began;
     `reserved_peak`: the reserved peak the trial itself showed, where the device recorded it apart
     from the model (CUDA's segment events), for the replay to be checked against; `reserved_peaks`:
     the same through each op (CUDA's trace with its ops), for a timeline cut to fewer steps."""
@@ -120,6 +123,8 @@ class AllocationTrace:
     blocks: dict[int, int]
     reserved_peak: int | None = None
     reserved_peaks: tuple[int, ...] | None = None
+    streams: tuple[int, ...] = ()
+    records: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -159,6 +164,8 @@ def parse_events(
     sites: list[Site | None] = []
     step_ends: list[int] = []
     serial_of: dict[int, int] = {}
+    streams: dict[int, int] = {}
+    records: list[tuple[int, int]] = []
     for kind, what, value in events:
         if kind == "op":
             ops.append(str(what))
@@ -181,8 +188,18 @@ def parse_events(
             else:
                 died_at[serial] = len(ops)
                 order.append((1, serial))
+        elif kind == "stream":
+            streams[serial_of[what]] = value
+        elif kind == "record" and what in serial_of:  # a storage older than the trial: not replayed
+            order.append((3, len(records)))
+            records.append((serial_of[what], value))
+        elif kind == "sync":
+            order.append((4, 0))
     log = StorageLog(base, tuple(born_at), tuple(died_at), tuple(nbytes), tuple(older))
-    trace = None if allocator is None else AllocationTrace(tuple(order), allocator[0], allocator[1])
+    trace = None
+    if allocator is not None:
+        stream_of = tuple(streams.get(serial, 0) for serial in range(len(born_at))) if streams else ()
+        trace = AllocationTrace(tuple(order), allocator[0], allocator[1], streams=stream_of, records=tuple(records))
     return Timeline(
         batch,
         tuple(ops),
@@ -435,13 +452,17 @@ def cut(timeline: Timeline, ops: int, steps: int | None = None) -> Timeline:
     if trace is not None and storages is not None and log is not None:
         order: list[tuple[int, int]] = []
         older_deaths = iter(log.older_deaths)  # the (2, key) entries, in the order they died
+        passed = False  # an entry of the order (which is in time) lay past the cut
         for kind, index in trace.order:
             if kind == 0:
                 keep = index < kept
             elif kind == 1:
                 keep = index < kept and storages.died_at[index] >= 0
-            else:
+            elif kind == 2:
                 keep = next(older_deaths)[0] < ops
+            else:  # a record_stream or a synchronize: kept up to the first entry past the cut (one
+                keep = not passed  # after the last kept allocation or free changes no peak)
+            passed = passed or not keep
             if keep:
                 order.append((kind, index))
         peaks = trace.reserved_peaks
@@ -451,6 +472,8 @@ def cut(timeline: Timeline, ops: int, steps: int | None = None) -> Timeline:
             trace.blocks,
             reserved_peak=None if peaks is None or not ops else peaks[ops - 1],
             reserved_peaks=None if peaks is None else peaks[:ops],
+            streams=trace.streams[:kept],
+            records=trace.records,
         )
     else:
         trace = None
@@ -795,17 +818,24 @@ class ReplayModel:
             model, older = _capped(model, older, limit)
         retries = model.stats().num_alloc_retries
         handles: dict[int, int] = {}
+        streams = self.trace.streams
         model.reset_peak()
         try:
             for kind, index in self.trace.order:
                 if kind == 0:
-                    handles[index] = model.malloc(sizes[index])
+                    handles[index] = model.malloc(sizes[index], streams[index] if streams else 0)
                 elif kind == 1:
                     model.free(handles.pop(index))
-                else:
+                elif kind == 2:
                     block = older.pop(index, None)
                     if block is not None:
                         model.free(block)
+                elif kind == 3:
+                    serial, stream = self.trace.records[index]
+                    if serial in handles:
+                        model.record_stream(handles[serial], stream)
+                else:
+                    model.synchronize()
         except AllocatorOutOfMemory as exc:
             stats = model.stats()
             return Replayed(
