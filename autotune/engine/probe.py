@@ -39,6 +39,7 @@ from autotune.parallel import sharding_name
 from autotune.progress import ProgressCallback
 from autotune.request import ProbeRequest, TrialCallback, parse_device, with_plan  # (re-exported)
 from autotune.results import (
+    CurvePoint,
     DeviceInfo,
     LoopAnswer,
     LoopShape,
@@ -220,6 +221,9 @@ def run_probe(
                     holds_window=holds_window,
                     seed=seed,
                     time_plan=True,
+                    # The first setting's accumulating loop records its own timelines: what it added
+                    # there, measured, seeds the next setting's (`seed_from`).
+                    seed_accumulation=False,
                 )
 
             return choose_checkpointing(request, settings, probe_one)
@@ -230,13 +234,45 @@ def run_probe(
 
 @dataclasses.dataclass(frozen=True)
 class AccumulationSeed:
-    """What accumulating added to one micro-step's peak at the same micro-batch in a probe of the same
-    job with another checkpointing setting (the gradients alive in the second micro-step): with this
-    setting's one-micro-step curve it predicts the accumulating answer, so that loop's search starts
-    there instead of recording timelines of its own."""
+    """What accumulating adds to one micro-step's peak at the same micro-batch (the gradients alive in
+    the second micro-step): measured in a probe of the same job with another checkpointing setting
+    (`setting`), or, where no such probe ran, the gradients this loop's own peak did not hold
+    (`setting` None: a lower bound, see `_gradients_seed`). With this setting's one-micro-step curve
+    it predicts the accumulating answer, so that loop's search starts there instead of recording
+    timelines of its own."""
 
     extra_bytes: int
-    setting: str
+    setting: str | None
+
+    def describe(self) -> str:
+        if self.setting is None:
+            return (
+                f"this loop's one-micro-step curve plus the {format_bytes(self.extra_bytes)} of gradients its peak did "
+                "not hold, which accumulating keeps alive from the first micro-step on"
+            )
+        return (
+            f"this setting's one-micro-step curve plus the {format_bytes(self.extra_bytes)} that accumulating added "
+            f"with checkpointing {self.setting}"
+        )
+
+
+def _gradients_seed(model: torch.nn.Module, answer: TrialRecord | None) -> AccumulationSeed | None:
+    """What accumulating adds at least, from the one-micro-step loop's own trial at its answer: in the
+    second micro-step every gradient is alive from the forward on (the first micro-step's, not set to
+    None before it), where one micro-step per optimizer step holds, at its peak, only the gradients its
+    breakdown counts. Every op of the second micro-step holds at least what the same op of a
+    one-micro-step step holds plus the gradients that one did not hold yet, so the accumulating peak
+    is at least the one-micro-step peak plus those bytes. None where the trial's breakdown is not
+    known or the peak held every gradient (the accumulating search then starts at the one-micro-step
+    answer, as it does without a seed). A guess only: the search verifies it as it verifies any."""
+    if answer is None or answer.breakdown is None:
+        return None
+    from autotune.devices.budget import local_storages, rounded
+
+    storages = {id(s): s.nbytes() for p in model.parameters() if p.requires_grad for s in local_storages(p)}
+    gradients = sum(rounded(n) for n in storages.values())
+    extra = gradients - answer.breakdown.gradients
+    return AccumulationSeed(extra_bytes=extra, setting=None) if extra > 0 else None
 
 
 def _run_probe(
@@ -249,6 +285,7 @@ def _run_probe(
     holds_window: bool = True,
     seed: AccumulationSeed | None = None,
     time_plan: bool = False,
+    seed_accumulation: bool = True,
 ) -> ProbeResult:
     started = time.perf_counter()
     workload = load_workload(request) if workload is None else as_requested(workload, request)
@@ -289,6 +326,10 @@ def _run_probe(
         before = len(ran)
         try:
             if loop.accumulates:
+                if seed is None and curve is not None and seed_accumulation:
+                    answer = answers[0].max_micro_batch
+                    at = [t for t in outcomes[1].trials if t.fits and t.batch == answer]
+                    seed = _gradients_seed(runner.model, at[-1] if at else None)
                 outcome, prediction = _search_below(
                     trial_in(loop), device, request, answers[0], seed=None if curve is None else (seed, curve)
                 )
@@ -596,13 +637,13 @@ def _seeded_below(
         return None
     outcome = search_from_guess(trial, guess, cap=ceiling, granularity=granularity, limit_bytes=device.limit_bytes)
     capped = single.capped if outcome.capped else False
+    single_curve = [] if single.prediction is None else single.prediction.curve
     prediction = Prediction(
         predicted_max_micro_batch=guess,
         probe_batches=[],
         exact=guess == outcome.max_micro_batch,
-        seeded_from=(
-            f"this setting's one-micro-step curve plus the {format_bytes(seed.extra_bytes)} that accumulating added "
-            f"with checkpointing {seed.setting}"
-        ),
+        # What was predicted: the one-micro-step curve raised by the seed's bytes.
+        curve=[CurvePoint(batch=p.batch, peak_bytes=p.peak_bytes + seed.extra_bytes) for p in single_curve],
+        seeded_from=seed.describe(),
     )
     return SearchOutcome(outcome.max_micro_batch, capped, outcome.trials), prediction
