@@ -27,30 +27,32 @@ os.environ.pop("COLUMNS", None)
 
 # `make test` runs three workers, each test file on one (--dist loadfile): the longest files go first,
 # so that no worker is left with one of them at the end while the others idle. The order is
-# each file's seconds in a full run (2026-11-27, 2-core VM), longest first.
+# each file's seconds in a full run (2026-12-02, 2-core VM), longest first.
 LONGEST_FIRST = (
-    "test_cuda_truth.py",
-    "test_readme.py",
-    "test_cli_signals.py",
-    "test_api_worker_loss.py",
-    "test_probe.py",
-    "test_estimate.py",
-    "test_parallel.py",
     "test_api_contract.py",
-    "test_frameworks_readme.py",
-    "test_api_restart.py",
+    "test_estimate.py",
+    "test_probe.py",
+    "test_readme.py",
+    "test_cuda_truth.py",
+    "test_parallel.py",
     "test_cli.py",
     "test_cluster.py",
-    "test_predict.py",
-    "test_zygote.py",
-    "test_api_readme.py",
-    "test_client_outage.py",
+    "test_frameworks_readme.py",
+    "test_api_restart.py",
     "test_progress.py",
-    "test_integration_errors.py",
     "test_device_lock.py",
     "test_cli_inputs.py",
-    "test_integration_lightning.py",
+    "test_predict.py",
+    "test_cli_signals.py",
+    "test_integration_errors.py",
+    "test_client_outage.py",
+    "test_probe_kill.py",
+    "test_api_run_failures.py",
     "test_bench_serve.py",
+    "test_zygote.py",
+    "test_integration_lightning.py",
+    "test_api_readme.py",
+    "test_api_inputs.py",
 )
 
 
