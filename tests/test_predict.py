@@ -66,7 +66,9 @@ def _assert_from_the_single_answer(result: ProbeResult) -> None:
 
 
 @pytest.mark.parametrize(("name", "mib"), [("gpt", 128), ("cnn", 64), ("mlp", 64)])
-def test_prediction_is_exact_on_the_budget_device_for_the_examples(name: str, mib: int) -> None:
+def test_prediction_is_exact_on_the_budget_device_for_the_examples(
+    name: str, mib: int, capsys: pytest.CaptureFixture[str]
+) -> None:
     result = run_probe(ProbeRequest(target=name, device="cpu", memory=mib * MIB))
     assert result.search == "predict"
     single = result.answers[0]
@@ -88,6 +90,17 @@ def test_prediction_is_exact_on_the_budget_device_for_the_examples(name: str, mi
     if result.max_micro_batch < answer:
         assert result.prediction is not None and result.prediction.exact is True
         assert result.prediction.predicted_max_micro_batch == result.max_micro_batch
+    # The summary says where each prediction came from: a seeded one from the other loop's timelines.
+    from autotune.cli.summary import print_summary
+
+    print_summary(result)
+    printed = " ".join(capsys.readouterr().out.split())
+    seeded = result.prediction is not None and result.prediction.seeded_from is not None
+    assert seeded == (name == "gpt")  # the gradients gpt's peak did not hold put its answer lower
+    if seeded:
+        assert f"predicted {result.max_micro_batch} from this loop's one-micro-step curve plus" in printed
+        assert f"that curve: predicted {answer} without accumulation from timelines at 4, 2 (exact;" in printed
+    assert "from timelines at  (" not in printed
 
 
 @pytest.mark.parametrize(("name", "mibs"), [("mlp", (58, 59, 60, 62)), ("cnn", (40, 52, 80))])

@@ -279,7 +279,22 @@ def _prediction_lines(result: ProbeResult) -> list[str]:
     lines: list[str] = []
     p = result.prediction
     if p is not None:
-        if p.predicted_max_micro_batch is not None:
+        if p.predicted_max_micro_batch is not None and p.seeded_from is not None:
+            # The accumulating loop recorded no timelines: its guess came from the other loop's curve.
+            verdict = "exact" if p.exact else f"verified answer {result.max_micro_batch}"
+            lines.append(
+                f"  predicted {predicted_words(p.predicted_max_micro_batch)} from {escape(p.seeded_from)} ({verdict})"
+            )
+            single = result.answers[0].prediction if result.answers else None
+            if single is not None and single is not p and single.probe_batches:
+                found = result.max_micro_batch_without_accumulation
+                lines.append(
+                    f"  that curve: predicted {predicted_words(single.predicted_max_micro_batch or 0)} without "
+                    f"accumulation from timelines at {', '.join(map(str, single.probe_batches))} "
+                    f"({'exact' if single.exact else f'verified answer {found}'}; "
+                    f"the {single.probe_trials} timeline trials are counted above)"
+                )
+        elif p.predicted_max_micro_batch is not None:
             verdict = "exact" if p.exact else f"verified answer {result.max_micro_batch}"
             lines.append(
                 f"  predicted {predicted_words(p.predicted_max_micro_batch)} from timelines at "
