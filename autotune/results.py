@@ -298,8 +298,9 @@ class Prediction(BaseModel):
     curve: list[CurvePoint] = Field(default_factory=list, description="Predicted peak bytes by batch size.")
     seeded_from: str | None = Field(
         default=None,
-        description="A prediction made without timeline trials of its own (the accumulating loop of a later "
-        "setting under --checkpointing auto): what it was made from.",
+        description="A prediction made without timeline trials of its own (the accumulating loop, from the "
+        "one-micro-step curve plus the gradients that loop's peak did not hold, or plus what accumulating added "
+        "under the setting probed before it with --checkpointing auto): what it was made from.",
     )
 
 
