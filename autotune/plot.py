@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.errors import ConfigError
-from autotune.results import LoopAnswer, LoopShape, MemoryBreakdown, ProbeResult
+from autotune.results import LoopAnswer, LoopShape, MemoryBreakdown, ProbeResult, TrialRecord
 from autotune.units import format_bytes
 
 MIB = 2**20
@@ -58,6 +58,18 @@ def _figure(width: float = 10) -> Any:
 
 def _mib(n: int | None) -> float:
     return (n or 0) / MIB
+
+
+def _scatter(ax: Any, trials: list[TrialRecord], color: Any, marker: str, label: str) -> Any:
+    """Each trial at its batch and reserved peak (on the budget device reserved equals allocated)."""
+    return ax.scatter(
+        [t.batch for t in trials],
+        [_mib(t.peak_reserved_bytes) for t in trials],
+        color=color,
+        marker=marker,
+        zorder=3,
+        label=label,
+    )
 
 
 def render_plot(result: ProbeResult, format: str = "png") -> bytes:
@@ -140,15 +152,7 @@ def draw(result: ProbeResult) -> Any:
         for fitting, mark, words in ((True, marker, "trial fits (peak)"), (False, "x", "trial out of memory")):
             trials = [t for t in shown if t.fits is fitting]
             if trials:
-                points = ax.scatter(
-                    [t.batch for t in trials],
-                    [_mib(t.peak_reserved_bytes) for t in trials],
-                    color=color,
-                    marker=mark,
-                    zorder=3,
-                    label=f"{name}: {words}",
-                )
-                column.append((points, words))
+                column.append((_scatter(ax, trials, color, mark, f"{name}: {words}"), words))
         found, capped = _answer(result, answer)
         if found is None:
             column.append((blank, "none fits"))
@@ -209,15 +213,7 @@ def _draw_candidates(ax: Any, result: ProbeResult, blank: Any) -> list[list[tupl
             trials = [t for t in c.trials if t.fits and (t.micro_steps > 1) == accumulates]
             if trials:
                 loop = "with accumulation" if accumulates else "without accumulation"
-                points = ax.scatter(
-                    [t.batch for t in trials],
-                    [_mib(t.peak_reserved_bytes) for t in trials],
-                    color=color,
-                    marker=marker,
-                    zorder=3,
-                    label=f"{name}: trial fits {loop}",
-                )
-                column.append((points, f"trial fits {loop}"))
+                column.append((_scatter(ax, trials, color, marker, f"{name}: trial fits {loop}"), f"trial fits {loop}"))
         if c.max_micro_batch is not None:
             words = f"answer {c.max_micro_batch} with accumulation"
             line = ax.axvline(c.max_micro_batch, color=color, linestyle="-.", linewidth=1.5, label=f"{name}: {words}")

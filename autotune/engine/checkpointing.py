@@ -29,7 +29,7 @@ from autotune.engine.objective import candidates as timed_candidates
 from autotune.engine.probe import AccumulationSeed, plan_loop
 from autotune.errors import NothingFitsError, PlanError
 from autotune.request import ProbeRequest, checkpointing_level
-from autotune.results import CheckpointingCandidate, CheckpointingChoice, ProbeResult
+from autotune.results import CheckpointingCandidate, CheckpointingChoice, ProbeResult, TrialRecord
 
 # Speeds within this fraction of the fastest are a tie, which less checkpointing wins.
 TIE_TOLERANCE = 0.05
@@ -41,8 +41,8 @@ def seed_from(result: ProbeResult, setting: str) -> AccumulationSeed | None:
     """What accumulating added to one micro-step's peak, at the largest micro-batch both loops ran and
     fitted in `result` (peaks as the limit counts them: reserved where the device has a cache)."""
 
-    def peak(t: object) -> int:
-        return int(getattr(t, "peak_reserved_bytes", None) or getattr(t, "peak_allocated_bytes", None) or 0)
+    def peak(t: TrialRecord) -> int:
+        return t.peak_reserved_bytes or t.peak_allocated_bytes or 0
 
     single = {t.batch: peak(t) for t in result.trials if t.fits and t.micro_steps == 1}
     accumulating = {t.batch: peak(t) for t in result.trials if t.fits and t.micro_steps > 1}
